@@ -1,0 +1,133 @@
+"""Command line: ``pipetransformer train | plan | report``.
+
+One device::
+
+    pipetransformer train configs/text_minilm.yaml
+
+Two local workers (started here through torch.distributed.run)::
+
+    pipetransformer train configs/text_minilm.yaml --nproc-per-node 2
+
+Two nodes, one worker each (the same command on both; this process joins the outer job)::
+
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint $MASTER_ADDR:29500 -m pipetransformer.cli train configs/text_minilm.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+__all__ = ["main"]
+
+EXIT_USER_ERROR = 2
+EXIT_WORKER_FAILED = 1
+LOOPBACK = "127.0.0.1"
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipetransformer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("config", help="YAML config (see configs/)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+    train.add_argument("--nproc-per-node", type=int, default=1,
+                       help="local workers to start (ignored under an outer torchrun)")
+    train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a worker failure")
+    plan = commands.add_parser("plan", help="print block costs, the partition and the predicted step time")
+    plan.add_argument("config")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--nproc-per-node", type=int, default=1, help="workers to plan for")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    report = commands.add_parser("report", help="plots and a markdown summary from run directories")
+    report.add_argument("run_dirs", nargs="+")
+    report.add_argument("--out", default=None, help="output directory (default: the first run directory)")
+    return parser
+
+
+def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Start ``--nproc-per-node`` workers through torch.distributed.run on this machine (loopback only)."""
+    from torch.distributed.run import get_args_parser, run
+
+    launcher_args = get_args_parser().parse_args([
+        "--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+        "--local-addr", LOOPBACK, "--module", "pipetransformer.cli", "train", args.config,
+        *[item for override in overrides for item in ("--set", override)],
+    ])
+    try:
+        run(launcher_args)
+    except Exception as error:  # torch's ChildFailedError: workers already printed their own error
+        print(f"error: training failed ({error.__class__.__name__}); the worker's message is above", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)  # validate before any worker starts
+    overrides = list(args.overrides)
+    if config.run.dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
+    if args.nproc_per_node > 1 and not _under_torchrun():
+        return _launch_local(args, overrides)
+    from .trainer import train
+    config = load_config(args.config, overrides)
+    summary = train(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: summary[k] for k in ("eval_accuracy", "best_eval_accuracy", "wall_time_s",
+                                                   "samples_per_s", "run_dir")}, indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planning import plan_command
+    config = load_config(args.config, args.overrides)
+    return plan_command(config, args.nproc_per_node, as_json=args.json)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+    out = write_report([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None)
+    print(f"report written to {out}")
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message already says what to change: shown as one line, without a traceback."""
+    from .data.batch import DatasetUnavailableError
+    from .models.blocks import BlockSplitError
+    from .pipe.layout import LayoutError
+    from .pipe.partition import PartitionError
+    return (ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError, PartitionError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = _parser().parse_args(argv)
+    handlers = {"train": _train, "plan": _plan, "report": _report}
+    try:
+        return handlers[args.command](args)
+    except _user_errors() as error:
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(error, ConfigError):
+            print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return EXIT_WORKER_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Typed run configuration: YAML file + ``--set key=value`` overrides, validated field by field.
+
+Every field is documented where it is declared. Validation errors are one line and name the key and the
+allowed values, so a typo never silently runs the wrong job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass
+class RunConfig:
+    dir: str | None = None  # run directory; default runs/<config name>-<timestamp>
+    name: str | None = None  # defaults to the config file's stem
+    log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
+    progress: bool = True  # progress bar on rank 0
+
+
+@dataclass
+class ModelConfig:
+    kind: Literal["minilm", "hf", "vit"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT
+    path: str | None = None  # kind=hf: local directory of a pretrained encoder
+    hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
+    pooling: Literal["mean", "cls"] = "mean"
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    vit: dict[str, Any] = field(default_factory=dict)  # kind=vit: build_vit keyword arguments
+
+
+@dataclass
+class DataConfig:
+    name: Literal["rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"] = "rotten_tomatoes"
+    path: str | None = None  # text_csv / image_folder
+    max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
+    validation_fraction: float = 0.1
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs when reached)
+    batch_size: int = 32  # global batch (all replicas together)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    momentum: float = 0.9  # sgd only
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
+    warmup_fraction: float = 0.06  # of the total steps
+    grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
+    eval_every_steps: int | None = None  # null = evaluate at every epoch end
+    eval_batch_size: int = 128
+    drop_last: bool = False
+
+
+@dataclass
+class DistConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on cuda, gloo on cpu
+    timeout_s: float = 300.0  # every collective fails instead of hanging past this
+    threads_per_worker: int | None = None  # torch threads per worker; default cores / local workers
+
+
+@dataclass
+class FreezeConfig:
+    enabled: bool = False
+    policy: Literal["gradient", "geometric", "schedule", "random", "none"] = "gradient"
+    interval: int = 1  # decision window length, in interval_unit
+    interval_unit: Literal["steps", "epochs"] = "epochs"
+    alpha: float = 0.25  # geometric pace: fraction of the remaining layers frozen per decision
+    percentile: float = 50.0  # gradient policy threshold
+    max_fraction: float = 0.84  # at most this fraction of the layers ever freezes
+    schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...]
+
+
+@dataclass
+class PipeConfig:
+    enabled: bool = False
+    stages: int | Literal["auto"] = "auto"  # auto: fewest stages that fit device_memory_gb
+    micro_batches: int | Literal["auto"] = "auto"
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    device_memory_gb: float | None = None  # per-device budget for the partitioner (CPU: a budget you set)
+    link_bandwidth_gbps: float = 10.0  # stage-to-stage bandwidth assumed by the cost model (GB/s)
+    profile: bool = True  # measure block costs on the device; false = analytical estimate
+
+
+@dataclass
+class DPConfig:
+    enabled: bool = False  # elastic: workers freed by pipeline compression become new replicas
+    batch_policy: Literal["keep_global", "keep_per_pipeline"] = "keep_global"
+
+
+@dataclass
+class CacheConfig:
+    enabled: bool = False
+    min_frozen: int = 1  # frozen layers needed before the cache starts
+    memory_gb: float = 2.0  # shared-memory level budget; the rest spills to dir
+    dir: str | None = None  # disk level; default <run dir>/cache
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = None  # null = only at epoch ends (and on SIGTERM)
+    keep: int = 2
+    dir: str | None = None  # default <run dir>/checkpoints
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    deterministic: bool = False  # torch deterministic algorithms (exact resume checks)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    pipe: PipeConfig = field(default_factory=PipeConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        """Cross-field checks that single field types cannot express."""
+        positive = {
+            "train.epochs": self.train.epochs,
+            "train.batch_size": self.train.batch_size,
+            "train.eval_batch_size": self.train.eval_batch_size,
+            "data.max_length": self.data.max_length,
+            "run.log_every": self.run.log_every,
+            "freeze.interval": self.freeze.interval,
+            "checkpoint.keep": self.checkpoint.keep,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value}")
+        for key, value in {
+            "train.max_steps": self.train.max_steps,
+            "data.max_train_samples": self.data.max_train_samples,
+            "data.max_eval_samples": self.data.max_eval_samples,
+            "train.eval_every_steps": self.train.eval_every_steps,
+            "checkpoint.every_steps": self.checkpoint.every_steps,
+        }.items():
+            if value is not None and value < 1:
+                raise ConfigError(f"{key} must be >= 1 or null, got {value}")
+        if self.train.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.train.lr}")
+        if not 0.0 <= self.train.warmup_fraction < 1.0:
+            raise ConfigError(f"train.warmup_fraction must be in [0, 1), got {self.train.warmup_fraction}")
+        if not 0.0 < self.data.validation_fraction < 1.0:
+            raise ConfigError(f"data.validation_fraction must be in (0, 1), got {self.data.validation_fraction}")
+        if not 0.0 < self.freeze.alpha <= 1.0:
+            raise ConfigError(f"freeze.alpha must be in (0, 1], got {self.freeze.alpha}")
+        if not 0.0 <= self.freeze.percentile <= 100.0:
+            raise ConfigError(f"freeze.percentile must be in [0, 100], got {self.freeze.percentile}")
+        if not 0.0 <= self.freeze.max_fraction <= 1.0:
+            raise ConfigError(f"freeze.max_fraction must be in [0, 1], got {self.freeze.max_fraction}")
+        if self.freeze.policy == "schedule" and self.freeze.enabled and not self.freeze.schedule:
+            raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
+        if isinstance(self.pipe.stages, int) and self.pipe.stages < 1:
+            raise ConfigError(f"pipe.stages must be 'auto' or >= 1, got {self.pipe.stages}")
+        if isinstance(self.pipe.micro_batches, int) and self.pipe.micro_batches < 1:
+            raise ConfigError(f"pipe.micro_batches must be 'auto' or >= 1, got {self.pipe.micro_batches}")
+        if self.pipe.device_memory_gb is not None and self.pipe.device_memory_gb <= 0:
+            raise ConfigError(f"pipe.device_memory_gb must be > 0 or null, got {self.pipe.device_memory_gb}")
+        if self.cache.memory_gb < 0:
+            raise ConfigError(f"cache.memory_gb must be >= 0, got {self.cache.memory_gb}")
+        if self.cache.min_frozen < 1:
+            raise ConfigError(f"cache.min_frozen must be >= 1, got {self.cache.min_frozen}")
+        if self.dp.enabled and not self.pipe.enabled:
+            raise ConfigError("dp.enabled (elastic data parallelism) needs pipe.enabled: true, "
+                              "because its replicas come from compressing the pipeline")
+        if self.cache.enabled and not self.freeze.enabled:
+            raise ConfigError("cache.enabled caches the frozen layers' output: set freeze.enabled: true too")
+        text = self.data.name in ("rotten_tomatoes", "text_csv")
+        if text == (self.model.kind == "vit"):
+            raise ConfigError(f"data.name={self.data.name} does not fit model.kind={self.model.kind}: "
+                              "use model.kind vit for image data and minilm/hf for text")
+        if self.data.name in ("text_csv", "image_folder") and not self.data.path:
+            raise ConfigError(f"data.name={self.data.name} needs data.path")
+        if self.model.kind == "hf" and not (self.model.path or self.model.hf_config):
+            raise ConfigError("model.kind=hf needs model.path (pretrained directory) or model.hf_config")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not a valid value (allowed: {_type_name(tp)})")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not allowed (allowed: {_type_name(tp)})")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _build(cls: Any, values: Any, prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key '{where}{unknown[0]}' (allowed under '{prefix or 'top level'}': "
+                          f"{', '.join(names)})")
+    kwargs = {name: _coerce(f"{prefix}.{name}" if prefix else name, values[name], hints[name])
+              for name in names if name in values}
+    return cls(**kwargs)
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    config: Config = _build(Config, values, "")
+    config.validate()
+    return config
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value (e.g. train.lr=1e-4), got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--set {key}: cannot parse {raw!r} as a value ({error.__class__.__name__})") from None
+        node = values
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: '{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return values
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (shipped configs are in configs/)")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: malformed YAML{where}: fix the syntax") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        values = loaded
+    values = apply_overrides(values, overrides or [])
+    config = config_from_dict(values)
+    if config.run.name is None and path is not None:
+        config.run.name = Path(path).stem
+    return config

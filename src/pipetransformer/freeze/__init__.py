@@ -1,0 +1,25 @@
+"""AutoFreeze: decide which leading layers stop training (``policies``) and apply it (``apply``)."""
+
+from __future__ import annotations
+
+from pipetransformer.freeze.apply import freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.freeze.policies import (
+    FreezeDecision,
+    FreezePolicy,
+    frozen_blocks,
+    frozen_prefix_layers,
+    geometric_frozen_count,
+    make_policy,
+)
+
+__all__ = [
+    "FreezeDecision",
+    "FreezePolicy",
+    "freeze_blocks",
+    "frozen_blocks",
+    "frozen_prefix_layers",
+    "geometric_frozen_count",
+    "is_pinned_eval",
+    "layer_grad_sq_norms",
+    "make_policy",
+]

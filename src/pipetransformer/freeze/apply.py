@@ -1,0 +1,93 @@
+"""Applying a freeze to a live model and its optimizer, and measuring the gradients policies watch.
+
+Torch only, no torch.distributed: each rank applies the same decision to the blocks it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pipetransformer.models.blocks import BlockSequence
+
+__all__ = ["freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
+
+
+class _PinnedEval:
+    """Stands in for a frozen block's ``train`` method so it stays in eval mode whatever mode is asked.
+
+    ``nn.Module.train`` recurses by calling ``child.train(mode)``, so an instance attribute named
+    ``train`` intercepts ``model.train()`` at the block without changing its class, its parameter
+    names or its state dict. A plain class (not a closure) so the model still pickles and deep-copies.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        for submodule in self.module.modules():
+            submodule.training = False
+        return self.module
+
+
+def is_pinned_eval(module: nn.Module) -> bool:
+    """Whether ``freeze_blocks`` pinned this block to eval mode."""
+    return isinstance(module.__dict__.get("train"), _PinnedEval)
+
+
+def freeze_blocks(model: BlockSequence, blocks: Iterable[int], optimizer: torch.optim.Optimizer | None) -> int:
+    """Freeze whole blocks in place and drop their parameters from ``optimizer``; returns the number of
+    scalar parameters newly frozen (0 when the blocks were already frozen).
+
+    Frozen blocks run in eval mode for good (dropout off), so their outputs are deterministic and can be
+    cached. Their parameters leave the optimizer's param groups and state, so weight decay and momentum
+    cannot move them; every other parameter keeps its state object as it was (Adam moments and step
+    count). Param groups that become empty are kept, so group indices (LR schedulers) stay valid.
+    """
+    indices = sorted(set(blocks))
+    head = len(model.blocks) - 1
+    invalid = [i for i in indices if not 0 <= i < head]
+    if invalid:
+        raise ValueError(f"cannot freeze blocks {invalid}: pass blocks 0..{head - 1} (the head never freezes)")
+    newly_frozen: list[nn.Parameter] = []
+    frozen_ids: set[int] = set()
+    for index in indices:
+        block = model.blocks[index]
+        for parameter in block.parameters():
+            frozen_ids.add(id(parameter))
+            if parameter.requires_grad:
+                newly_frozen.append(parameter)
+            parameter.requires_grad_(False)
+            parameter.grad = None
+        block.train = _PinnedEval(block)  # type: ignore[method-assign]
+        block.train(False)
+    if optimizer is not None:
+        _drop_from_optimizer(optimizer, frozen_ids)
+    return sum(parameter.numel() for parameter in newly_frozen)
+
+
+def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int]) -> None:
+    for group in optimizer.param_groups:
+        kept = [parameter for parameter in group["params"] if id(parameter) not in frozen_ids]
+        for parameter in group["params"]:
+            if id(parameter) in frozen_ids:
+                optimizer.state.pop(parameter, None)
+        group["params"] = kept
+
+
+def layer_grad_sq_norms(model: BlockSequence) -> torch.Tensor:
+    """Per transformer layer, the sum of its squared gradient entries (``[L]`` float64; 0 when frozen or absent).
+
+    Squared so pipeline stages holding different layers can all-reduce (SUM) and take the square root
+    after. Sum over the stages of one data-parallel replica only: after gradient synchronisation every
+    replica holds the same gradients, and summing them too would scale the result by the width.
+    """
+    norms = torch.zeros(model.num_layers, dtype=torch.float64)
+    with torch.no_grad():
+        for layer in range(model.num_layers):
+            for parameter in model.blocks[layer + 1].parameters():
+                if parameter.requires_grad and parameter.grad is not None:
+                    norms[layer] += parameter.grad.detach().to(torch.float64).square().sum()
+    return norms

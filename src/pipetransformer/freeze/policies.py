@@ -1,0 +1,404 @@
+"""AutoFreeze decisions: which transformer layers stop training, and when.
+
+Pure logic (numpy only) so every policy is unit-tested on synthetic gradient traces without torch.
+Layers are 0-based transformer layer indices (layer ``i`` is block ``i + 1`` of a ``BlockSequence``);
+the embeddings block freezes with layer 0 and the head never freezes.
+
+Every policy is monotone (a frozen layer never thaws: its cached outputs and the pipeline built
+around it stay valid) and capped by ``max_fraction`` so some layers always keep learning.
+Policies count steps and epochs themselves from ``decide`` calls, so how a trainer numbers its
+steps (0- or 1-based) cannot shift a window; the counters are part of ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "INTERVAL_UNITS",
+    "POLICY_NAMES",
+    "FreezeDecision",
+    "FreezePolicy",
+    "GeometricPolicy",
+    "GradientPolicy",
+    "NoFreezePolicy",
+    "RandomPolicy",
+    "SchedulePolicy",
+    "frozen_blocks",
+    "frozen_prefix_layers",
+    "geometric_frozen_count",
+    "make_policy",
+]
+
+INTERVAL_UNITS = ("steps", "epochs")
+POLICY_NAMES = ("gradient", "geometric", "schedule", "random", "none")
+
+# Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
+_FLOAT_SLACK = 1e-9
+_PERCENT = 100.0
+_LARGEST_FLOAT = float(np.finfo(np.float64).max)
+
+
+@dataclass(frozen=True)
+class FreezeDecision:
+    """A new frozen set, when it was decided, and the numbers behind it (for metrics)."""
+
+    frozen: frozenset[int]
+    step: int
+    epoch: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def frozen_prefix_layers(frozen: Iterable[int]) -> int:
+    """Number of leading frozen layers: the part of the model a cache or a no-grad prefix can skip."""
+    frozen_set = set(frozen)
+    count = 0
+    while count in frozen_set:
+        count += 1
+    return count
+
+
+def frozen_blocks(frozen: Iterable[int], num_layers: int) -> frozenset[int]:
+    """Block indices to freeze for the frozen layers: layer ``i`` is block ``i + 1``; embeddings go with layer 0."""
+    layers = frozenset(frozen)
+    outside = sorted(i for i in layers if not 0 <= i < num_layers)
+    if outside:
+        raise ValueError(
+            f"frozen layer indices {outside} are outside 0..{num_layers - 1}: pass layer indices, not block indices"
+        )
+    blocks = {layer + 1 for layer in layers}
+    if 0 in layers:
+        blocks.add(0)
+    return frozenset(blocks)
+
+
+def _round_half_up(value: float) -> int:
+    return math.floor(value + 0.5)
+
+
+def geometric_frozen_count(num_layers: int, alpha: float, decision: int) -> int:
+    """``round(L (1 - (1 - alpha)^T))``: each decision freezes a fraction ``alpha`` of the still-active layers."""
+    return _round_half_up(num_layers * (1.0 - (1.0 - alpha) ** decision))
+
+
+class FreezePolicy(ABC):
+    """Decides the set of frozen layer indices; the trainer calls ``observe`` then ``decide`` after every step."""
+
+    name: str
+
+    def __init__(self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float) -> None:
+        self.num_layers = num_layers
+        self.interval = interval
+        self.interval_unit = interval_unit
+        self.max_frozen = math.floor(max_fraction * num_layers + _FLOAT_SLACK)
+        self.frozen: frozenset[int] = frozenset()
+        self.steps_done = 0
+        self.epochs_done = 0
+        self.windows_done = 0
+
+    def observe(self, layer_grad_norms: Sequence[float]) -> None:
+        """Record one optimizer step's per-layer gradient norms (``L`` values; frozen layers are ignored)."""
+        if len(layer_grad_norms) != self.num_layers:
+            raise ValueError(
+                f"observe() needs one gradient norm per layer ({self.num_layers}), got {len(layer_grad_norms)}"
+            )
+
+    def decide(self, step: int, epoch: int, epoch_end: bool) -> FreezeDecision | None:
+        """Call after every optimizer step (``epoch_end`` on an epoch's last one); ``None`` means no change.
+
+        ``step`` and ``epoch`` label the decision; the windows are counted from the calls themselves.
+        """
+        self.steps_done += 1
+        if epoch_end:
+            self.epochs_done += 1
+        progress = self.steps_done if self.interval_unit == "steps" else self.epochs_done
+        window_end = (self.interval_unit == "steps" or epoch_end) and progress % self.interval == 0
+        if window_end:
+            self.windows_done += 1
+        proposal = self._propose(window_end)
+        if proposal is None:
+            return None
+        target, details = proposal
+        target = self.frozen | target
+        if target == self.frozen:
+            return None
+        self.frozen = target
+        return FreezeDecision(target, step, epoch, details)
+
+    @abstractmethod
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        """The frozen set this policy wants after the current step (``None``: no opinion)."""
+
+    def _capped_prefix(self, count: int) -> frozenset[int]:
+        """The first ``count`` layers, capped by ``max_fraction``."""
+        return frozenset(range(min(count, self.max_frozen)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state: enough to make the same future decisions after a restart."""
+        return {
+            "policy": self.name,
+            "num_layers": self.num_layers,
+            "frozen": sorted(self.frozen),
+            "steps_done": self.steps_done,
+            "epochs_done": self.epochs_done,
+            "windows_done": self.windows_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["policy"] != self.name or state["num_layers"] != self.num_layers:
+            raise ValueError(
+                f"checkpoint holds a {state['policy']} policy over {state['num_layers']} layers, not "
+                f"{self.name} over {self.num_layers}: set freeze.policy and the model as in the checkpoint"
+            )
+        self.frozen = frozenset(int(i) for i in state["frozen"])
+        self.steps_done = int(state["steps_done"])
+        self.epochs_done = int(state["epochs_done"])
+        self.windows_done = int(state["windows_done"])
+
+
+class NoFreezePolicy(FreezePolicy):
+    """Never freezes: the baseline."""
+
+    name = "none"
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        return None
+
+
+class GeometricPolicy(FreezePolicy):
+    """Freezes ``round(L (1 - (1 - alpha)^T))`` leading layers at the ``T``-th window end.
+
+    This is the bound the 2021 PipeTransformer code actually applied, whatever the gradients said.
+    """
+
+    name = "geometric"
+
+    def __init__(
+        self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float, alpha: float
+    ) -> None:
+        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+        self.alpha = alpha
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        if not window_end:
+            return None
+        bound = geometric_frozen_count(self.num_layers, self.alpha, self.windows_done)
+        return self._capped_prefix(bound), {"decision_index": self.windows_done, "bound": bound, "cap": self.max_frozen}
+
+
+class RandomPolicy(GeometricPolicy):
+    """As many layers as ``geometric`` at each decision, but chosen at random among the active ones.
+
+    An ablation: it tests whether *which* layers freeze matters, and its frozen set need not be a prefix.
+    Each decision draws from a generator seeded by ``(seed, T)``, so it is reproducible without
+    storing generator state.
+    """
+
+    name = "random"
+
+    def __init__(
+        self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float, alpha: float, seed: int
+    ) -> None:
+        super().__init__(
+            num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction, alpha=alpha
+        )
+        self.seed = seed
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        if not window_end:
+            return None
+        bound = geometric_frozen_count(self.num_layers, self.alpha, self.windows_done)
+        extra = min(bound, self.max_frozen) - len(self.frozen)
+        if extra <= 0:
+            return None
+        active = sorted(set(range(self.num_layers)) - self.frozen)
+        rng = np.random.default_rng([self.seed, self.windows_done])
+        chosen = rng.choice(active, size=extra, replace=False)
+        details = {"decision_index": self.windows_done, "bound": bound, "cap": self.max_frozen, "seed": self.seed}
+        return self.frozen | frozenset(int(i) for i in chosen), details
+
+
+class SchedulePolicy(FreezePolicy):
+    """Explicit ``(at, frozen_count)`` pairs: once ``at`` steps (or epochs) are done, freeze that many first layers."""
+
+    name = "schedule"
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        interval: int,
+        interval_unit: str,
+        max_fraction: float,
+        schedule: Sequence[Sequence[int]],
+    ) -> None:
+        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+        self.schedule = _validated_schedule(schedule, num_layers)
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        progress = self.steps_done if self.interval_unit == "steps" else self.epochs_done
+        due = [(at, count) for at, count in self.schedule if at <= progress]
+        if not due:
+            return None
+        at, count = due[-1]
+        return self._capped_prefix(count), {"at": at, "scheduled": count, "cap": self.max_frozen}
+
+
+class GradientPolicy(FreezePolicy):
+    """AutoFreeze as the paper describes it: freeze the leading layers whose gradients stopped changing.
+
+    Each window's mean gradient norm per active layer is compared with the previous window's:
+    ratio ``|g_prev - g_cur| / g_prev``. The layers below the first active layer whose ratio reaches
+    the ``percentile``-th percentile of the active layers' ratios freeze (a layer still changing a lot
+    keeps itself and everything above it training, since its input must stay stable once cached).
+    The count is then bounded by the geometric schedule for the ``T``-th decision (never freeze faster
+    than the 2021 code did) and by ``max_fraction``. Means, not sums, so windows of unequal length
+    (epochs) compare fairly.
+    """
+
+    name = "gradient"
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        interval: int,
+        interval_unit: str,
+        max_fraction: float,
+        alpha: float,
+        percentile: float,
+    ) -> None:
+        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+        self.alpha = alpha
+        self.percentile = percentile
+        self.decisions = 0
+        self.window_sum = np.zeros(num_layers, dtype=np.float64)
+        self.window_steps = 0
+        self.previous_mean: np.ndarray | None = None
+
+    def observe(self, layer_grad_norms: Sequence[float]) -> None:
+        super().observe(layer_grad_norms)
+        self.window_sum += np.asarray(layer_grad_norms, dtype=np.float64)
+        self.window_steps += 1
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        if not window_end:
+            return None
+        if self.window_steps == 0:
+            raise RuntimeError("the gradient freeze policy saw a window without observe() calls: call it every step")
+        current = self.window_sum / self.window_steps
+        previous = self.previous_mean
+        self.previous_mean = current
+        self.window_sum = np.zeros(self.num_layers, dtype=np.float64)
+        self.window_steps = 0
+        active = [i for i in range(self.num_layers) if i not in self.frozen]
+        if previous is None or not active:
+            return None
+        self.decisions += 1
+        ratios = {i: _change_ratio(float(previous[i]), float(current[i])) for i in active}
+        # Infinite ratios (a layer whose gradient was 0 and is not) enter the percentile as the largest
+        # float so interpolation stays finite; NaN norms (divergence) give a NaN threshold: nothing freezes.
+        finite = np.minimum(np.fromiter(ratios.values(), dtype=np.float64), _LARGEST_FLOAT)
+        threshold = float(np.percentile(finite, self.percentile))
+        candidate = next((i for i in active if ratios[i] >= threshold), active[0])
+        bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
+        details = {
+            "decision_index": self.decisions,
+            "ratios": [ratios.get(i) for i in range(self.num_layers)],
+            "threshold": threshold,
+            "candidate": candidate,
+            "bound": bound,
+            "cap": self.max_frozen,
+        }
+        return self._capped_prefix(min(candidate, bound)), details
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(
+            decisions=self.decisions,
+            window_sum=self.window_sum.tolist(),
+            window_steps=self.window_steps,
+            previous_mean=None if self.previous_mean is None else self.previous_mean.tolist(),
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.decisions = int(state["decisions"])
+        self.window_sum = np.asarray(state["window_sum"], dtype=np.float64)
+        self.window_steps = int(state["window_steps"])
+        previous = state["previous_mean"]
+        self.previous_mean = None if previous is None else np.asarray(previous, dtype=np.float64)
+
+
+def _change_ratio(previous: float, current: float) -> float:
+    """``|g_prev - g_cur| / g_prev``; a layer with no gradient in both windows has not changed at all."""
+    if previous == 0.0:
+        return 0.0 if current == 0.0 else math.inf
+    return abs(previous - current) / previous
+
+
+def _validated_schedule(schedule: Sequence[Sequence[int]], num_layers: int) -> list[tuple[int, int]]:
+    pairs: list[tuple[int, int]] = []
+    for entry in schedule:
+        if len(entry) != 2:
+            raise ValueError(f"freeze.schedule entries are [at, frozen_layers] pairs, got {list(entry)}")
+        at, count = int(entry[0]), int(entry[1])
+        if at < 0 or not 0 <= count <= num_layers:
+            raise ValueError(
+                f"freeze.schedule entry [{at}, {count}] needs at >= 0 and 0 <= frozen_layers <= {num_layers}"
+            )
+        if pairs and (at <= pairs[-1][0] or count < pairs[-1][1]):
+            raise ValueError(
+                f"freeze.schedule must be monotone (at increasing, frozen_layers never decreasing): "
+                f"[{pairs[-1][0]}, {pairs[-1][1]}] is followed by [{at}, {count}]"
+            )
+        pairs.append((at, count))
+    return pairs
+
+
+def make_policy(
+    name: str,
+    num_layers: int,
+    *,
+    interval: int,
+    interval_unit: str,
+    alpha: float,
+    percentile: float,
+    max_fraction: float,
+    schedule: Sequence[Sequence[int]] | None = None,
+    seed: int,
+) -> FreezePolicy:
+    """Build a policy by its config name, checking every argument with an error that says what to set."""
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown freeze policy {name!r}: set freeze.policy to one of {', '.join(POLICY_NAMES)}")
+    if num_layers < 1:
+        raise ValueError(f"a freeze policy needs at least one layer, got num_layers={num_layers}")
+    if interval < 1:
+        raise ValueError(f"freeze.interval must be >= 1, got {interval}")
+    if interval_unit not in INTERVAL_UNITS:
+        raise ValueError(f"freeze.interval_unit must be one of {', '.join(INTERVAL_UNITS)}, got {interval_unit!r}")
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"freeze.alpha must be in (0, 1], got {alpha}")
+    if not 0.0 <= percentile <= _PERCENT:
+        raise ValueError(f"freeze.percentile must be in [0, 100], got {percentile}")
+    if not 0.0 <= max_fraction <= 1.0:
+        raise ValueError(f"freeze.max_fraction must be in [0, 1], got {max_fraction}")
+    if name == "schedule" and not schedule:
+        raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
+    common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
+    if name == "gradient":
+        return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, **common)
+    if name == "geometric":
+        return GeometricPolicy(num_layers, alpha=alpha, **common)
+    if name == "random":
+        return RandomPolicy(num_layers, alpha=alpha, seed=seed, **common)
+    if name == "schedule":
+        return SchedulePolicy(num_layers, schedule=schedule or [], **common)
+    return NoFreezePolicy(num_layers, **common)

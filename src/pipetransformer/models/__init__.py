@@ -1,0 +1,49 @@
+"""Model adapters: every supported model becomes a ``BlockSequence`` through ``build_model``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipetransformer.models.blocks import BlockSequence, BlockSplitError
+from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, load_tokenizer, minilm_path
+from pipetransformer.models.vit import build_vit
+
+__all__ = ["MODEL_KINDS", "BlockSequence", "BlockSplitError", "build_model", "load_tokenizer", "minilm_path"]
+
+MODEL_KINDS = ("minilm", "hf", "vit")
+
+
+def build_model(
+    kind: str,
+    *,
+    num_labels: int,
+    path: str | None = None,
+    hf_config: dict[str, Any] | None = None,
+    pooling: str = "mean",
+    vit: dict[str, Any] | None = None,
+    attn_implementation: str = "sdpa",
+) -> BlockSequence:
+    """The one entry point the trainer calls.
+
+    ``"minilm"``: the packaged pretrained all-MiniLM-L6-v2; ``"hf"``: pretrained weights from the local
+    directory ``path``, or random weights from ``hf_config`` (a dict with ``model_type``); ``"vit"``:
+    the built-in ViT with ``vit`` holding ``build_vit``'s keyword arguments except ``num_classes``.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_KINDS)}")
+    if kind == "vit":
+        if path is not None or hf_config is not None:
+            raise ValueError("model kind 'vit' takes no path or hf_config: use kind 'hf' for Hugging Face models")
+        if vit is None:
+            raise ValueError("model kind 'vit' needs vit settings (image_size, patch_size, in_channels, dim, ...)")
+        if "num_classes" in vit:
+            raise ValueError("do not set num_classes in the vit settings: it comes from num_labels")
+        return build_vit(**vit, num_classes=num_labels)
+    if vit is not None:
+        raise ValueError(f"vit settings apply only to model kind 'vit', not {kind!r}: remove them")
+    if kind == "minilm":
+        if path is not None or hf_config is not None:
+            raise ValueError("model kind 'minilm' takes no path or hf_config: use kind 'hf' for other weights")
+        path = minilm_path()
+    encoder = load_hf_encoder(path=path, config=hf_config, attn_implementation=attn_implementation)
+    return blocks_from_hf(encoder, num_labels, pooling=pooling)

@@ -1,0 +1,84 @@
+"""The one model abstraction every automation works on: a sequence of blocks.
+
+``embeddings, layer_0 ... layer_{L-1}, head``. Block ``i``'s output is block ``i+1``'s input. What
+flows between blocks is an *activation*: a tuple of tensors (for a text encoder ``(hidden, mask)``,
+for a ViT ``(hidden,)``), so it can be cut into pipeline stages, sent between processes and cached.
+The head returns a 1-tuple ``(logits,)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Activation = tuple[torch.Tensor, ...]
+
+__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "run_blocks"]
+
+
+class BlockSplitError(ValueError):
+    """A model could not be turned into a block sequence."""
+
+
+def as_activation(value: torch.Tensor | Sequence[torch.Tensor]) -> Activation:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def run_blocks(blocks: Sequence[nn.Module], activation: Activation) -> Activation:
+    for block in blocks:
+        activation = as_activation(block(*activation))
+    return activation
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """Per-sample shape and dtype of each tensor of an activation (without the batch dimension)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def bytes_per_sample(self) -> int:
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            total += numel * torch.empty((), dtype=dtype).element_size()
+        return total
+
+
+class BlockSequence(nn.Module):
+    """An ordered list of blocks ``embeddings, layers..., head`` with uniform tensor-tuple interfaces.
+
+    ``task`` says what the inputs are (``"text"``: ``(input_ids, attention_mask)``; ``"image"``:
+    ``(pixels,)``). Blocks are whole transformer layers, so no block boundary cuts a residual.
+    """
+
+    def __init__(self, embeddings: nn.Module, layers: Sequence[nn.Module], head: nn.Module, task: str) -> None:
+        super().__init__()
+        if len(layers) == 0:
+            raise BlockSplitError("a block sequence needs at least one transformer layer")
+        self.blocks = nn.ModuleList([embeddings, *layers, head])
+        self.task = task
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of transformer layers (blocks 1..L)."""
+        return len(self.blocks) - 2
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def block_names(self) -> list[str]:
+        return ["embeddings", *(f"layer_{i}" for i in range(self.num_layers)), "head"]
+
+    def forward_range(self, activation: Activation, start: int, end: int) -> Activation:
+        """Run blocks ``start .. end-1`` on ``activation``."""
+        return run_blocks(list(self.blocks)[start:end], activation)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.forward_range(tuple(inputs), 0, len(self.blocks))[0]

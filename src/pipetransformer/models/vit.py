@@ -1,0 +1,141 @@
+"""A built-in Vision Transformer (Dosovitskiy et al. 2021) as a block sequence.
+
+No package ships pretrained ViT weights that load offline, so the image track trains from random
+init with this small, dependency-free model. Layers are pre-norm, so the final LayerNorm sits in
+the head and every layer block is a whole residual layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.models.heads import ImageClassificationHead
+
+__all__ = ["DEFAULT_DROPOUT", "DEFAULT_MLP_RATIO", "PatchEmbeddings", "ViTLayer", "build_vit"]
+
+DEFAULT_MLP_RATIO = 4.0
+DEFAULT_DROPOUT = 0.0
+INIT_STD = 0.02
+NUM_CLASS_TOKENS = 1
+QKV = 3
+
+
+class PatchEmbeddings(nn.Module):
+    """Non-overlapping patches -> linear projection (a strided conv), class token, learned positions."""
+
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.image_size = image_size
+        self.in_channels = in_channels
+        self.projection = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+        num_patches = (image_size // patch_size) ** 2
+        self.class_token = nn.Parameter(torch.zeros(1, NUM_CLASS_TOKENS, dim))
+        self.position_embeddings = nn.Parameter(torch.zeros(1, num_patches + NUM_CLASS_TOKENS, dim))
+        nn.init.trunc_normal_(self.class_token, std=INIT_STD)
+        nn.init.trunc_normal_(self.position_embeddings, std=INIT_STD)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor]:
+        expected = (self.in_channels, self.image_size, self.image_size)
+        if pixels.dim() != len(expected) + 1 or tuple(pixels.shape[1:]) != expected:
+            raise ValueError(
+                f"pixels have shape {tuple(pixels.shape)}, expected [batch, {', '.join(map(str, expected))}]: "
+                "resize the images or build the ViT with matching image_size and in_channels"
+            )
+        patches = self.projection(pixels).flatten(2).transpose(1, 2)
+        class_tokens = self.class_token.expand(pixels.shape[0], -1, -1)
+        hidden = torch.cat((class_tokens, patches), dim=1) + self.position_embeddings
+        return (self.dropout(hidden).contiguous(),)
+
+
+class ViTLayer(nn.Module):
+    """Pre-norm encoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout_p = dropout
+        self.attention_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, QKV * dim)
+        self.attention_out = nn.Linear(dim, dim)
+        self.mlp_norm = nn.LayerNorm(dim)
+        mlp_dim = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        hidden = hidden + self.dropout(self._attend(self.attention_norm(hidden)))
+        hidden = hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
+        return (hidden.contiguous(),)
+
+    def _attend(self, hidden: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = hidden.shape
+        qkv = self.qkv(hidden).view(batch, tokens, QKV, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        dropout = self.dropout_p if self.training else 0.0
+        attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=dropout)
+        return self.attention_out(attended.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+def build_vit(
+    *,
+    image_size: int,
+    patch_size: int,
+    in_channels: int,
+    dim: int,
+    depth: int,
+    heads: int,
+    num_classes: int,
+    mlp_ratio: float = DEFAULT_MLP_RATIO,
+    dropout: float = DEFAULT_DROPOUT,
+) -> BlockSequence:
+    """A randomly initialised ViT classifier: ``patch embeddings, depth layers, norm + class token + linear``."""
+    _validate(image_size, patch_size, in_channels, dim, depth, heads, num_classes, mlp_ratio, dropout)
+    layers = [ViTLayer(dim, heads, mlp_ratio, dropout) for _ in range(depth)]
+    head = ImageClassificationHead(dim, num_classes, final_norm=nn.LayerNorm(dim))
+    return BlockSequence(PatchEmbeddings(image_size, patch_size, in_channels, dim, dropout), layers, head, task="image")
+
+
+def _validate(
+    image_size: int,
+    patch_size: int,
+    in_channels: int,
+    dim: int,
+    depth: int,
+    heads: int,
+    num_classes: int,
+    mlp_ratio: float,
+    dropout: float,
+) -> None:
+    sizes = {
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "in_channels": in_channels,
+        "dim": dim,
+        "depth": depth,
+        "heads": heads,
+        "num_classes": num_classes,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"vit {name} must be a positive integer, got {value!r}")
+    if image_size % patch_size:
+        raise ValueError(
+            f"vit image_size {image_size} is not divisible by patch_size {patch_size}: "
+            f"use a patch_size in {_divisors(image_size)}"
+        )
+    if dim % heads:
+        raise ValueError(
+            f"vit dim {dim} is not divisible by heads {heads}: use heads in {_divisors(dim)} "
+            f"or a dim that is a multiple of {heads}"
+        )
+    if int(dim * mlp_ratio) < 1:
+        raise ValueError(f"vit mlp_ratio {mlp_ratio} gives an empty MLP for dim {dim}: use a positive mlp_ratio like 4")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"vit dropout must be in [0, 1), got {dropout}")
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]

@@ -1,0 +1,107 @@
+"""From a config, block costs and the freeze state to a layout: stages, replicas, partition, micro-batches.
+
+Pure, so ``pipetransformer plan`` and every training rank compute the same plan without talking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from .cost import BlockCost, BlockState, Link
+from .layout import Layout, LayoutError, valid_stage_counts
+from .partition import GIB, Partition, PartitionError, choose_micro_batches, compress, partition
+
+__all__ = ["LayoutPlan", "plan_layout", "block_states", "PER_MICROBATCH_OVERHEAD_S", "BYTES_PER_GB"]
+
+PER_MICROBATCH_OVERHEAD_S = 2e-3
+"""Fixed cost of one micro-batch per stage (schedule bookkeeping + p2p latency), measured on gloo/CPU."""
+
+BYTES_PER_GB = 1e9
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    layout: Layout  # active ranks: num_stages x dp_width; ranks past layout.world_size idle
+    partition: Partition
+    micro_batches: int
+    cached_blocks: int  # leading blocks served from the cache (not run by any stage)
+    frozen_blocks: int  # leading frozen blocks (cached or run without autograd on stage 0)
+
+    def held_bounds(self) -> list[tuple[int, int]]:
+        """Blocks each stage's ranks hold: stage 0 also holds the prefix it serves or computes."""
+        bounds = list(self.partition.bounds)
+        bounds[0] = (0, bounds[0][1])
+        return bounds
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "stages": self.layout.num_stages,
+            "dp_width": self.layout.dp_width,
+            "micro_batches": self.micro_batches,
+            "bounds": [list(b) for b in self.partition.bounds],
+            "cached_blocks": self.cached_blocks,
+            "frozen_blocks": self.frozen_blocks,
+        }
+
+
+def block_states(num_blocks: int, frozen_blocks: int, cached_blocks: int) -> list[BlockState]:
+    return [BlockState.CACHED if i < cached_blocks else BlockState.FROZEN if i < frozen_blocks else BlockState.ACTIVE
+            for i in range(num_blocks)]
+
+
+def _budget_bytes(config: Config) -> int:
+    if config.pipe.device_memory_gb is None:
+        return math.inf  # type: ignore[return-value]
+    return int(config.pipe.device_memory_gb * BYTES_PER_GB)
+
+
+def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, frozen_blocks: int, cached_blocks: int,
+                dp_width: int | None = None, batch_size: int | None = None) -> LayoutPlan:
+    """The layout for the current freeze state.
+
+    ``pipe.stages: auto`` compresses to the fewest stages that fit ``pipe.device_memory_gb``. With
+    ``dp.enabled`` the freed ranks become replicas (width = world / stages); without it the width stays
+    ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
+    """
+    states = block_states(len(costs), frozen_blocks, cached_blocks)
+    link = Link(config.pipe.link_bandwidth_gbps * BYTES_PER_GB)
+    budget = _budget_bytes(config)
+    global_batch = batch_size or config.train.batch_size
+    if not config.pipe.enabled:
+        stages = 1
+        width = world_size
+    elif config.pipe.stages == "auto":
+        probe_width = dp_width or 1
+        ranks = world_size if config.dp.enabled else world_size // probe_width
+        part = compress(costs, states, ranks, micro_batch_size=max(1, global_batch // world_size),
+                        memory_budget_bytes=budget, link=link)
+        stages = part.num_stages
+        width = world_size // stages if (config.dp.enabled or dp_width is None) else dp_width
+    else:
+        stages = int(config.pipe.stages)
+        if stages not in valid_stage_counts(world_size):
+            raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
+                              f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+        width = dp_width if (dp_width is not None and not config.dp.enabled) else world_size // stages
+    if stages > len(costs) - cached_blocks:
+        raise PartitionError(f"{stages} stages but only {len(costs) - cached_blocks} blocks to run: use fewer stages")
+    per_replica = max(1, global_batch // width)
+    micro = 1
+    part = partition(costs, states, stages, micro_batch_size=per_replica, memory_budget_bytes=budget, link=link) \
+        if stages > 1 else partition(costs, states, 1, micro_batch_size=per_replica,
+                                     memory_budget_bytes=math.inf, link=link)  # type: ignore[arg-type]
+    if stages > 1:
+        if config.pipe.micro_batches == "auto":
+            micro = choose_micro_batches(part, per_replica, per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S
+                                         ).num_micro_batches
+        else:
+            micro = int(config.pipe.micro_batches)
+    return LayoutPlan(Layout(stages, width), part, micro, cached_blocks, frozen_blocks)
+
+
+def budget_description(config: Config) -> str:
+    gb = config.pipe.device_memory_gb
+    return "unlimited" if gb is None else f"{gb:g} GB ({gb * BYTES_PER_GB / GIB:.2f} GiB)"

@@ -1,0 +1,134 @@
+"""Measure every block's :class:`~pipetransformer.pipe.cost.BlockCost` on the device it runs on.
+
+Each block is timed alone on the real activation its predecessor produces, so the partitioner sees
+what this machine actually does (embeddings and heads are often far from a layer's cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from pipetransformer.models.blocks import Activation, BlockSequence, as_activation
+from pipetransformer.pipe.cost import BlockCost
+
+__all__ = ["profile_blocks"]
+
+_T = TypeVar("_T")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _tensor_bytes(tensors: Activation) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _with_input_grads(activation: Activation) -> Activation:
+    """Fresh leaves so backward stops at the block's input, computing its gradient as a pipeline stage must."""
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in activation)
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd keeps for backward, parameters excluded (they are counted apart)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        self._saved: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._param_storages:
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self._saved.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _timed(run: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
+    _synchronize(device)
+    start = time.perf_counter()
+    result = run()
+    _synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _profile_block(
+    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int
+) -> tuple[BlockCost, Activation]:
+    """Each run is one forward and one backward, timed apart; the first run also records saved tensors
+    (it is a warm-up run unless ``warmup`` is 0)."""
+    device = activation[0].device
+    saved = _SavedBytes(block)
+    forward_times, backward_times = [], []
+    output: Activation = ()
+    for run in range(warmup + repeats):
+        inputs = _with_input_grads(activation)
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack) if run == 0 else nullcontext()
+        with hooks:
+            output, forward_s = _timed(lambda: as_activation(block(*inputs)), device)
+        outputs = [t for t in output if t.requires_grad]
+        _, backward_s = _timed(lambda: torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs]), device)
+        forward_times.append(forward_s)
+        backward_times.append(backward_s)
+    cost = BlockCost(
+        forward_s=statistics.median(forward_times[warmup:]) / batch_size,
+        backward_s=statistics.median(backward_times[warmup:]) / batch_size,
+        output_bytes=_tensor_bytes(output) // batch_size,
+        param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+        activation_bytes=saved.total // batch_size,
+    )
+    return cost, tuple(t.detach() for t in output)
+
+
+@contextmanager
+def _training_everything(model: nn.Module) -> Iterator[None]:
+    """Train mode and trainable parameters while profiling (backward must include weight gradients);
+    the model's own modes, flags and gradients are restored afterwards."""
+    was_training = model.training
+    params = list(model.parameters())
+    flags = [p.requires_grad for p in params]
+    grads = [p.grad for p in params]
+    model.train()
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        for p, flag, grad in zip(params, flags, grads, strict=True):
+            p.requires_grad_(flag)
+            p.grad = grad
+
+
+def profile_blocks(
+    model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, warmup: int = 1, repeats: int = 3
+) -> list[BlockCost]:
+    """Per-sample forward/backward seconds (medians), output, parameter and saved-activation bytes of each block.
+
+    ``example_inputs`` is one batch of model inputs (batch dimension first), on the model's device.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    batch_size = example_inputs[0].shape[0]
+    costs = []
+    activation: Activation = tuple(example_inputs)
+    with _training_everything(model):
+        for block in model.blocks:
+            cost, activation = _profile_block(block, activation, batch_size, warmup, repeats)
+            costs.append(cost)
+    return costs

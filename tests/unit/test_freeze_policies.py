@@ -1,0 +1,289 @@
+"""Freeze policies on synthetic gradient traces: what freezes when, and the guarantees every policy keeps."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetransformer.freeze.policies import (
+    POLICY_NAMES,
+    FreezeDecision,
+    FreezePolicy,
+    frozen_blocks,
+    frozen_prefix_layers,
+    geometric_frozen_count,
+    make_policy,
+)
+
+NUM_LAYERS = 6
+DEFAULTS: dict[str, Any] = {
+    "interval": 1,
+    "interval_unit": "steps",
+    "alpha": 0.25,
+    "percentile": 50.0,
+    "max_fraction": 1.0,
+    "schedule": None,
+    "seed": 0,
+}
+
+
+def build(name: str, num_layers: int = NUM_LAYERS, **overrides: Any) -> FreezePolicy:
+    return make_policy(name, num_layers, **{**DEFAULTS, **overrides})
+
+
+def run(
+    policy: FreezePolicy, trace: Sequence[Sequence[float]], steps_per_epoch: int = 1, start: int = 0
+) -> list[FreezeDecision | None]:
+    """Feed one row of gradient norms per step; return the decision after each step."""
+    decisions = []
+    for offset, norms in enumerate(trace):
+        step = start + offset
+        policy.observe(norms)
+        decisions.append(policy.decide(step, step // steps_per_epoch, (step + 1) % steps_per_epoch == 0))
+    return decisions
+
+
+def frozen_counts(decisions: Sequence[FreezeDecision | None]) -> list[int]:
+    counts, current = [], 0
+    for decision in decisions:
+        if decision is not None:
+            current = len(decision.frozen)
+        counts.append(current)
+    return counts
+
+
+def stable_bottom_trace(windows: int, stable: int, num_layers: int = NUM_LAYERS) -> list[list[float]]:
+    """Layers below ``stable`` have constant norms; the others halve every window."""
+    return [[1.0 if layer < stable else 0.5**window for layer in range(num_layers)] for window in range(windows)]
+
+
+def test_geometric_freezes_round_l_times_one_minus_decay() -> None:
+    # L = 6, alpha = 0.25: 6 (1 - 0.75^T) = 1.5, 2.625, 3.47, 4.10, 4.58, 4.93, 5.20, 5.40, 5.55
+    assert [geometric_frozen_count(NUM_LAYERS, 0.25, t) for t in range(1, 10)] == [2, 3, 3, 4, 5, 5, 5, 5, 6]
+    decisions = run(build("geometric"), [[1.0] * NUM_LAYERS] * 9)
+    assert frozen_counts(decisions) == [2, 3, 3, 4, 5, 5, 5, 5, 6]
+    assert all(d is None or d.frozen == frozenset(range(len(d.frozen))) for d in decisions)
+
+
+def test_geometric_with_epoch_windows_decides_only_at_every_interval_th_epoch_end() -> None:
+    policy = build("geometric", interval=2, interval_unit="epochs", max_fraction=0.84)
+    decisions = run(policy, [[1.0] * NUM_LAYERS] * 12, steps_per_epoch=3)
+    changed_at = [step for step, decision in enumerate(decisions) if decision is not None]
+    assert changed_at == [5, 11]  # ends of epochs 2 and 4
+    assert [len(decisions[step].frozen) for step in changed_at] == [2, 3]  # type: ignore[union-attr]
+    assert decisions[5].epoch == 1 and decisions[5].step == 5  # type: ignore[union-attr]
+
+
+def test_max_fraction_caps_every_policy() -> None:
+    # Layers 0-3 stopped changing (ratios 0 0 0 0 .5 .5; the 75th percentile is .375), so the gradient
+    # policy wants 4 layers; the others want all 6.
+    trace = stable_bottom_trace(windows=20, stable=4)
+    wanted = {"gradient": 4, "none": 0}
+    for name in POLICY_NAMES:
+        extra = {"schedule": [[1, 2], [3, NUM_LAYERS]]} if name == "schedule" else {}
+        for max_fraction, cap in [(0.5, 3), (0.84, 5), (0.0, 0)]:
+            policy = build(name, alpha=1.0, percentile=75.0, max_fraction=max_fraction, **extra)
+            counts = frozen_counts(run(policy, trace))
+            assert max(counts) <= cap, (name, max_fraction)
+            assert counts[-1] == min(cap, wanted.get(name, NUM_LAYERS)), (name, max_fraction)
+
+
+def test_gradient_freezes_the_layers_whose_norms_stopped_changing() -> None:
+    decisions = run(build("gradient", alpha=1.0), stable_bottom_trace(windows=5, stable=3))
+    assert decisions[0] is None  # one window: nothing to compare yet
+    assert decisions[1] is not None and decisions[1].frozen == frozenset({0, 1, 2})
+    details = decisions[1].details
+    assert details["candidate"] == 3 and details["threshold"] == pytest.approx(0.25)
+    assert details["ratios"] == pytest.approx([0.0, 0.0, 0.0, 0.5, 0.5, 0.5])
+    json.dumps(details)
+    assert decisions[2:] == [None, None, None]
+
+
+def test_gradient_is_bounded_by_the_geometric_schedule() -> None:
+    decisions = run(build("gradient", alpha=0.25), stable_bottom_trace(windows=5, stable=3))
+    assert frozen_counts(decisions) == [0, 2, 3, 3, 3]
+    assert decisions[1] is not None and decisions[1].details["bound"] == 2
+
+
+def test_gradient_freezes_nothing_while_the_bottom_layer_still_changes() -> None:
+    trace = [[0.5**window] + [1.0] * (NUM_LAYERS - 1) for window in range(6)]
+    assert frozen_counts(run(build("gradient", alpha=1.0), trace)) == [0] * 6
+
+
+def test_gradient_compares_window_means_over_epoch_windows() -> None:
+    # Epochs of 2 and then 4 steps; layer 0's per-step norm is constant, so its mean does not change.
+    policy = build("gradient", alpha=1.0, interval_unit="epochs")
+    norms = [1.0] + [3.0] * (NUM_LAYERS - 1)
+    for step in range(2):
+        policy.observe(norms)
+        assert policy.decide(step, 0, step == 1) is None
+    later = [1.0] + [1.0] * (NUM_LAYERS - 1)
+    decision = None
+    for step in range(2, 6):
+        policy.observe(later)
+        decision = policy.decide(step, 1, step == 5)
+    assert decision is not None and decision.frozen == frozenset({0})
+
+
+def recorded_style_trace(steps: int, seed: int) -> list[list[float]]:
+    """Norms decaying to a plateau, faster in lower layers, with multiplicative noise (as in fine-tuning logs)."""
+    rng = np.random.default_rng(seed)
+    time_constants = np.linspace(2.0, 30.0, NUM_LAYERS)
+    rows = []
+    for step in range(steps):
+        clean = 1.0 + 4.0 * np.exp(-step / time_constants)
+        rows.append((clean * rng.lognormal(0.0, 0.02, NUM_LAYERS)).tolist())
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gradient_on_recorded_style_traces_freezes_lower_layers_first_within_bounds(seed: int) -> None:
+    policy = build("gradient", interval=5, alpha=0.3, max_fraction=0.84)
+    decisions = run(policy, recorded_style_trace(120, seed))
+    made = [d for d in decisions if d is not None]
+    for decision in made:
+        assert decision.frozen == frozenset(range(len(decision.frozen)))  # always a prefix
+        assert len(decision.frozen) <= min(decision.details["bound"], 5)
+    # At first layer 0 changes fastest of all, so it holds everything back; it freezes first once it
+    # settles, and the others follow in the order they converge, up to the cap.
+    assert made[0].details["decision_index"] > 1 and made[0].frozen == frozenset({0})
+    assert [len(d.frozen) for d in made] == sorted({len(d.frozen) for d in made})
+    assert policy.frozen == frozenset(range(5))
+
+
+def test_schedule_freezes_at_the_given_steps_and_epochs() -> None:
+    decisions = run(build("schedule", schedule=[[2, 1], [5, 3]], max_fraction=1.0), [[1.0] * NUM_LAYERS] * 8)
+    assert frozen_counts(decisions) == [0, 1, 1, 1, 3, 3, 3, 3]
+    by_epoch_policy = build("schedule", interval_unit="epochs", schedule=[[1, 2]])
+    by_epoch = run(by_epoch_policy, [[1.0] * NUM_LAYERS] * 6, steps_per_epoch=3)
+    assert frozen_counts(by_epoch) == [0, 0, 2, 2, 2, 2]
+
+
+def test_none_never_freezes() -> None:
+    assert frozen_counts(run(build("none"), stable_bottom_trace(10, NUM_LAYERS))) == [0] * 10
+
+
+def random_decisions(seed: int, windows: int = 6) -> list[frozenset[int]]:
+    decisions = run(build("random", seed=seed, num_layers=8), [[1.0] * 8] * windows)
+    return [d.frozen for d in decisions if d is not None]
+
+
+def test_random_is_seeded_reproducible_counts_like_geometric_and_not_always_a_prefix() -> None:
+    assert random_decisions(3) == random_decisions(3)
+    runs = [random_decisions(seed) for seed in range(10)]
+    assert len({tuple(map(tuple, map(sorted, r))) for r in runs}) > 1
+    geometric = [d.frozen for d in run(build("geometric", num_layers=8), [[1.0] * 8] * 6) if d is not None]
+    for frozen_sets in runs:
+        assert [len(f) for f in frozen_sets] == [len(f) for f in geometric]
+        assert all(a < b for a, b in zip(frozen_sets, frozen_sets[1:]))
+    assert any(f != frozenset(range(len(f))) for r in runs for f in r)
+
+
+norm_rows = st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=NUM_LAYERS, max_size=NUM_LAYERS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(POLICY_NAMES),
+    trace=st.lists(norm_rows, min_size=1, max_size=30),
+    interval=st.integers(1, 4),
+    alpha=st.floats(0.05, 1.0),
+    percentile=st.floats(0.0, 100.0),
+    max_fraction=st.floats(0.0, 1.0),
+)
+def test_every_policy_is_monotone_and_capped(
+    name: str, trace: list[list[float]], interval: int, alpha: float, percentile: float, max_fraction: float
+) -> None:
+    schedule = [[1, 1], [4, 3], [9, 6]] if name == "schedule" else None
+    policy = build(
+        name, interval=interval, alpha=alpha, percentile=percentile, max_fraction=max_fraction, schedule=schedule
+    )
+    previous: frozenset[int] = frozenset()
+    for step, norms in enumerate(trace):
+        policy.observe(norms)
+        decision = policy.decide(step, 0, False)
+        assert policy.frozen >= previous
+        if decision is not None:
+            assert decision.frozen > previous and decision.frozen == policy.frozen
+            json.dumps(decision.details)
+        assert len(policy.frozen) <= math.floor(max_fraction * NUM_LAYERS + 1e-9)
+        previous = policy.frozen
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("cut", [3, 9, 28])  # mid-window, at a window end, mid-window between freezes
+def test_state_dict_round_trip_gives_identical_future_decisions(name: str, cut: int) -> None:
+    schedule = [[4, 1], [12, 4]] if name == "schedule" else None
+    options = {"interval": 2, "alpha": 0.2, "max_fraction": 0.84, "schedule": schedule}
+    trace = recorded_style_trace(60, seed=5)
+    original = build(name, **options)
+    run(original, trace[:cut])
+    resumed = build(name, **options)
+    resumed.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    assert resumed.frozen == original.frozen
+    after = run(original, trace[cut:], start=cut)
+    assert run(resumed, trace[cut:], start=cut) == after
+    if name == "gradient" or (name != "none" and cut < 11):
+        assert any(after), "the resumed part should contain decisions to compare"
+
+
+def test_load_state_dict_rejects_another_policy() -> None:
+    with pytest.raises(ValueError, match="freeze.policy"):
+        build("geometric").load_state_dict(build("gradient").state_dict())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"alpha": 0.0}, "freeze.alpha"),
+        ({"alpha": 1.5}, "freeze.alpha"),
+        ({"percentile": -1.0}, "freeze.percentile"),
+        ({"percentile": 100.5}, "freeze.percentile"),
+        ({"max_fraction": 1.2}, "freeze.max_fraction"),
+        ({"interval": 0}, "freeze.interval"),
+        ({"interval_unit": "minutes"}, "freeze.interval_unit"),
+    ],
+)
+def test_bad_arguments_say_what_to_set(overrides: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as error:
+        build("gradient", **overrides)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule"),
+    [
+        ("autofreeze", None),
+        ("schedule", None),
+        ("schedule", [[3, 2], [2, 4]]),
+        ("schedule", [[1, 3], [2, 1]]),
+        ("schedule", [[1, 9]]),
+    ],
+)
+def test_bad_names_and_schedules_are_rejected(name: str, schedule: list[list[int]] | None) -> None:
+    with pytest.raises(ValueError, match="freeze") as error:
+        build(name, schedule=schedule)
+    assert "\n" not in str(error.value)
+
+
+def test_observe_needs_one_norm_per_layer_and_gradient_needs_observations() -> None:
+    with pytest.raises(ValueError, match="one gradient norm per layer"):
+        build("gradient").observe([1.0] * (NUM_LAYERS - 1))
+    with pytest.raises(RuntimeError, match="observe"):
+        build("gradient").decide(0, 0, False)
+
+
+def test_frozen_prefix_and_blocks() -> None:
+    assert frozen_prefix_layers([]) == 0
+    assert frozen_prefix_layers({0, 1, 3}) == 2
+    assert frozen_blocks({0, 1}, 4) == frozenset({0, 1, 2})
+    assert frozen_blocks({2}, 4) == frozenset({3})  # embeddings freeze only with layer 0
+    with pytest.raises(ValueError, match="layer indices"):
+        frozen_blocks({4}, 4)

@@ -1,0 +1,96 @@
+"""The block profiler on a tiny hand-built text model: times positive, byte counts exact."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.pipe.cost import analytic_costs
+from pipetransformer.pipe.profile import profile_blocks
+
+VOCAB, HIDDEN, MLP, SEQ, BATCH, CLASSES = 50, 16, 32, 6, 4, 3
+FLOAT, INT64 = 4, 8
+
+
+class Embeddings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(VOCAB, HIDDEN)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.table(ids), mask
+
+
+class Layer(nn.Module):
+    """Residual MLP: saves its input (for the first Linear) and the ReLU output (for ReLU and the second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, MLP), nn.Linear(MLP, HIDDEN)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden + self.down(torch.relu(self.up(hidden))), mask
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.classifier(hidden.mean(dim=1)),)
+
+
+def tiny_model() -> tuple[BlockSequence, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = BlockSequence(Embeddings(), [Layer(), Layer()], Head(), task="text")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return model, (ids, torch.ones(BATCH, SEQ, dtype=torch.int64))
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_profile_times_and_bytes() -> None:
+    model, inputs = tiny_model()
+    costs = profile_blocks(model, inputs)
+    assert len(costs) == len(model) == 4
+    assert all(c.forward_s > 0 and c.backward_s > 0 for c in costs)
+    hidden_and_mask = SEQ * HIDDEN * FLOAT + SEQ * INT64
+    assert [c.output_bytes for c in costs] == [hidden_and_mask, hidden_and_mask, hidden_and_mask, CLASSES * FLOAT]
+    assert [c.param_bytes for c in costs] == [param_bytes(b) for b in model.blocks]
+    assert costs[1].activation_bytes == SEQ * (HIDDEN + MLP) * FLOAT
+    assert costs[1].activation_bytes == costs[2].activation_bytes
+
+
+def test_profile_leaves_the_model_as_it_was() -> None:
+    model, inputs = tiny_model()
+    model.eval()
+    frozen = model.blocks[1].up.weight
+    frozen.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    profile_blocks(model, inputs, warmup=0, repeats=1)
+    assert not model.training and not frozen.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_frozen_parameters_are_still_profiled_with_weight_gradients() -> None:
+    model, inputs = tiny_model()
+    trainable = profile_blocks(model, inputs, warmup=0, repeats=1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    frozen = profile_blocks(model, inputs, warmup=0, repeats=1)
+    assert [c.activation_bytes for c in frozen] == [c.activation_bytes for c in trainable]
+
+
+def test_analytic_layer_parameters_match_torch() -> None:
+    hidden, heads, seq = 32, 4, 8
+    layer = nn.TransformerEncoderLayer(hidden, heads, dim_feedforward=4 * hidden)
+    costs = analytic_costs(
+        num_layers=1, hidden_size=hidden, seq_len=seq, num_heads=heads, vocab_size=100, num_classes=2, flops_per_second=1e9
+    )
+    assert costs[1].param_bytes == param_bytes(layer)
+    assert costs[-1].param_bytes == param_bytes(nn.Linear(hidden, 2))
