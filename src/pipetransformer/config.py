@@ -28,6 +28,8 @@ class RunConfig:
     name: str | None = None  # defaults to the config file's stem
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
     progress: bool = True  # progress bar on rank 0
+    save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
+    record_samples: bool = False  # write samples-rank<R>.json: the sample indices each rank trained on
 
 
 @dataclass

@@ -111,6 +111,7 @@ class Trainer:
         self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl") if self.env.is_main else None
         self.total_steps = self._total_steps()
         self._loss_denominator = 1
+        self._seen: dict[int, list[int]] = {}
 
     # ----------------------------------------------------------------------------------- setup
     def _seed_everything(self, seed: int) -> None:
@@ -339,6 +340,8 @@ class Trainer:
             with timer.phase("data"):
                 batch = self._local_batch(mine)
             my_samples = len(mine)
+            if self.config.run.record_samples and held.stage == 0:  # one record per replica
+                self._seen.setdefault(self.progress.epoch, []).extend(mine)
             if batch is not None and self.runner is None:
                 with timer.phase("forward"):
                     activation = self._prefix(batch)
@@ -476,7 +479,41 @@ class Trainer:
         summary = self._summary(time.perf_counter() - started)
         if self.env.is_main:
             write_json(self.run_dir / "summary.json", summary)
+        if self.config.run.record_samples:
+            write_json(self.run_dir / f"samples-rank{self.env.rank}.json", {str(k): v for k, v in self._seen.items()})
+        if self.config.run.save_model:
+            self.save_model(self.run_dir)
         return summary
+
+    def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The layout-independent training state on rank 0: every block's parameters and the optimizer
+        state of every trainable parameter, keyed by parameter name (other ranks get empty dicts)."""
+        plan = self.held.plan
+        received: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        if self.env.distributed:
+            owners = {b: plan.layout.rank(0, s) for s, (start, end) in enumerate(plan.held_bounds())
+                      for b in range(start, end)}
+            transfers = [BlockTransfer(b, owner, 0) for b, owner in sorted(owners.items()) if owner != 0]
+            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer,
+                                       self.env.rank)
+        if not self.env.is_main:
+            return {}, {}
+        own = self.optimizer.state if self.optimizer is not None else {}
+        weights, optimizer = {}, {}
+        for name, param in self.model.named_parameters():
+            weights[name] = param.detach().clone().contiguous()
+            state = received.get(param) or own.get(param)
+            if param.requires_grad and state:
+                for key in OPTIMIZER_STATE_KEYS[self.config.train.optimizer]:
+                    optimizer[f"{name}.{key}"] = state[key].detach().clone().reshape(state[key].shape).contiguous()
+        return weights, optimizer
+
+    def save_model(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+        weights, optimizer = self.gather_state()
+        if self.env.is_main:
+            save_file(weights, str(directory / "model.safetensors"))
+            save_file(optimizer, str(directory / "optimizer.safetensors"))
 
     def _log_step(self, loss: float, samples: int, step_s: float, timer: StepTimer, bar: Any) -> None:
         layout = self.held.plan.layout
@@ -504,9 +541,22 @@ class Trainer:
     def sync_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.sync.params) if self.sync.active else 0
 
+    def _fingerprints(self) -> list[list[float]]:
+        """Per rank: [stage, sum of its held parameters in float64]. Replicas of a stage must agree bit for bit."""
+        start, end = self.held.blocks
+        total = sum(float(p.detach().double().sum()) for i in range(start, end)
+                    for p in self.model.blocks[i].parameters())
+        mine = torch.tensor([-1.0 if self.held.stage is None else float(self.held.stage), total], dtype=torch.float64)
+        if not self.env.distributed:
+            return [mine.tolist()]
+        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, mine)
+        return [g.tolist() for g in gathered]
+
     def _summary(self, wall_s: float) -> dict[str, Any]:
         evals = self.progress.eval_history
         return {
+            "rank_fingerprints": self._fingerprints(),
             "eval_accuracy": evals[-1]["accuracy"] if evals else None,
             "best_eval_accuracy": max((e["accuracy"] for e in evals), default=None),
             "eval_history": evals,

@@ -166,6 +166,29 @@ def test_schedule_freezes_at_the_given_steps_and_epochs() -> None:
     assert frozen_counts(by_epoch) == [0, 0, 2, 2, 2, 2]
 
 
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("unit", ["steps", "epochs"])
+def test_an_extra_call_reporting_the_epoch_end_counts_no_extra_step(name: str, unit: str) -> None:
+    # One trainer calls decide once per step; another calls it per step with epoch_end=False and once
+    # more with the same step and epoch_end=True when the sampler runs dry. Both must decide alike.
+    steps_per_epoch = 3
+    schedule = [[2, 1], [7, 3]] if name == "schedule" else None
+    options = {"interval": 1 if unit == "steps" else 2, "interval_unit": unit, "schedule": schedule, "alpha": 0.2}
+    trace = recorded_style_trace(30, seed=1)
+    once, twice = build(name, **options), build(name, **options)
+    expected = run(once, trace, steps_per_epoch=steps_per_epoch)
+    got: list[FreezeDecision | None] = []
+    for step, norms in enumerate(trace, start=1):
+        twice.observe(norms)
+        epoch = (step - 1) // steps_per_epoch
+        decision = twice.decide(step, epoch, False)
+        if step % steps_per_epoch == 0:
+            decision = twice.decide(step, epoch, True) or decision
+        got.append(decision)
+    assert [d and d.frozen for d in got] == [d and d.frozen for d in expected]
+    assert twice.state_dict()["windows_done"] == once.state_dict()["windows_done"]
+
+
 def test_none_never_freezes() -> None:
     assert frozen_counts(run(build("none"), stable_bottom_trace(10, NUM_LAYERS))) == [0] * 10
 

@@ -36,10 +36,16 @@ FREE_LINK = Link(math.inf)
 HUGE_BUDGET = 10**15
 
 
-def uniform(num_blocks: int, **overrides: float) -> list[BlockCost]:
-    fields = {"forward_s": 1.0, "backward_s": 2.0, "output_bytes": 10, "param_bytes": 100, "activation_bytes": 7}
-    fields.update(overrides)
-    return [BlockCost(**fields) for _ in range(num_blocks)]  # type: ignore[arg-type]
+def uniform(
+    num_blocks: int,
+    *,
+    forward_s: float = 1.0,
+    backward_s: float = 2.0,
+    output_bytes: int = 10,
+    param_bytes: int = 100,
+    activation_bytes: int = 7,
+) -> list[BlockCost]:
+    return [BlockCost(forward_s, backward_s, output_bytes, param_bytes, activation_bytes)] * num_blocks
 
 
 # --- cost model -------------------------------------------------------------------------------
@@ -63,9 +69,11 @@ def test_stage_time_counts_boundary_messages() -> None:
     one_message = 1000 * 2 / 100.0 + 0.5  # micro-batch of 2
     compute = 3.0 * 2
     # first stage: output boundary only, activation forward + gradient backward
-    assert stage_time(costs, [A] * 4, 0, 2, micro_batch_size=2, link=link) == pytest.approx(compute * 2 + 2 * one_message)
+    first = stage_time(costs, [A] * 4, 0, 2, micro_batch_size=2, link=link)
+    assert first == pytest.approx(compute * 2 + 2 * one_message)
     # middle stage: both boundaries
-    assert stage_time(costs, [A] * 4, 1, 3, micro_batch_size=2, link=link) == pytest.approx(compute * 2 + 4 * one_message)
+    middle = stage_time(costs, [A] * 4, 1, 3, micro_batch_size=2, link=link)
+    assert middle == pytest.approx(compute * 2 + 4 * one_message)
     # whole model: no boundary
     assert stage_time(costs, [A] * 4, 0, 4, micro_batch_size=2, link=link) == pytest.approx(compute * 4)
     # below a boundary only frozen blocks: no gradient goes back
@@ -102,7 +110,9 @@ def test_analytic_costs_shape_and_order() -> None:
 # --- exact partitioner ------------------------------------------------------------------------
 
 
-def brute_force(costs, states, num_stages, micro_batch_size, budget, link):  # type: ignore[no-untyped-def]
+def brute_force(
+    costs: list[BlockCost], states: list[BlockState], num_stages: int, micro_batch_size: int, budget: float, link: Link
+) -> tuple[float, float]:
     """(best bottleneck or inf, smallest max stage memory) over all contiguous splits."""
     first = sum(s is C for s in states)
     best, least_memory = math.inf, math.inf
@@ -117,8 +127,12 @@ def brute_force(costs, states, num_stages, micro_batch_size, budget, link):  # t
     return best, least_memory
 
 
+Problem = tuple[list[BlockCost], list[BlockState], int, int, int, Link]
+"""costs, states, num_stages, micro_batch_size, memory budget, link"""
+
+
 @st.composite
-def problems(draw):  # type: ignore[no-untyped-def]
+def problems(draw: st.DrawFn) -> Problem:
     num_blocks = draw(st.integers(1, 7))
     cached = draw(st.integers(0, num_blocks - 1))
     frozen = draw(st.integers(0, num_blocks - cached))
@@ -150,22 +164,28 @@ def check_well_formed(plan: Partition, states: list[BlockState], num_stages: int
 
 @settings(max_examples=300, deadline=None)
 @given(problems())
-def test_partition_matches_brute_force(problem) -> None:  # type: ignore[no-untyped-def]
+def test_partition_matches_brute_force(problem: Problem) -> None:
     costs, states, num_stages, micro_batch_size, budget, link = problem
+
+    def solve(memory_budget: int) -> Partition:
+        return partition(
+            costs, states, num_stages, micro_batch_size=micro_batch_size, memory_budget_bytes=memory_budget, link=link
+        )
+
     best, least_memory = brute_force(costs, states, num_stages, micro_batch_size, budget, link)
-    kwargs = {"micro_batch_size": micro_batch_size, "memory_budget_bytes": budget, "link": link}
     if math.isinf(best):
         with pytest.raises(PartitionError, match=f"needs at least {least_memory} bytes"):
-            partition(costs, states, num_stages, **kwargs)
-        kwargs["memory_budget_bytes"] = least_memory
-        best, _ = brute_force(costs, states, num_stages, micro_batch_size, least_memory, link)
-    plan = partition(costs, states, num_stages, **kwargs)
+            solve(budget)
+        budget = int(least_memory)  # the budget the error asked for must be enough
+        best, _ = brute_force(costs, states, num_stages, micro_batch_size, budget, link)
+    plan = solve(budget)
     check_well_formed(plan, states, num_stages, len(costs))
     assert plan.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
-    assert max(plan.stage_memories) <= kwargs["memory_budget_bytes"]
+    assert max(plan.stage_memories) <= budget
     for (start, end), memory, seconds in zip(plan.bounds, plan.stage_memories, plan.stage_times, strict=True):
         assert memory == stage_memory(costs, states, start, end, micro_batch_size=micro_batch_size)
-        assert seconds == pytest.approx(stage_time(costs, states, start, end, micro_batch_size=micro_batch_size, link=link))
+        expected = stage_time(costs, states, start, end, micro_batch_size=micro_batch_size, link=link)
+        assert seconds == pytest.approx(expected)
 
 
 def test_partition_balances_uneven_blocks() -> None:
@@ -196,7 +216,8 @@ def test_infeasible_budget_names_the_needed_budget() -> None:
 
 
 def test_cached_prefix_is_outside_every_stage() -> None:
-    plan = partition(uniform(6), [C, C, F, A, A, A], 2, micro_batch_size=1, memory_budget_bytes=HUGE_BUDGET, link=FREE_LINK)
+    states = [C, C, F, A, A, A]
+    plan = partition(uniform(6), states, 2, micro_batch_size=1, memory_budget_bytes=HUGE_BUDGET, link=FREE_LINK)
     assert plan.first_block == 2
     assert plan.stage_of(0) is None and plan.stage_of(1) is None
     assert plan.stage_of(2) == 0 and plan.stage_of(5) == 1
@@ -244,11 +265,13 @@ def test_compress_infeasible_reports_world_size() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(problems(), st.integers(1, 8))
-def test_compress_is_minimal(problem, world_size: int) -> None:  # type: ignore[no-untyped-def]
+def test_compress_is_minimal(problem: Problem, world_size: int) -> None:
     costs, states, _, micro_batch_size, budget, link = problem
-    kwargs = {"micro_batch_size": micro_batch_size, "memory_budget_bytes": budget, "link": link}
+    plan: Partition | None
     try:
-        plan = compress(costs, states, world_size, **kwargs)
+        plan = compress(
+            costs, states, world_size, micro_batch_size=micro_batch_size, memory_budget_bytes=budget, link=link
+        )
     except PartitionError:
         plan = None
     uncached = len(costs) - sum(s is C for s in states)

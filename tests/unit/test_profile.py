@@ -90,7 +90,13 @@ def test_analytic_layer_parameters_match_torch() -> None:
     hidden, heads, seq = 32, 4, 8
     layer = nn.TransformerEncoderLayer(hidden, heads, dim_feedforward=4 * hidden)
     costs = analytic_costs(
-        num_layers=1, hidden_size=hidden, seq_len=seq, num_heads=heads, vocab_size=100, num_classes=2, flops_per_second=1e9
+        num_layers=1,
+        hidden_size=hidden,
+        seq_len=seq,
+        num_heads=heads,
+        vocab_size=100,
+        num_classes=2,
+        flops_per_second=1e9,
     )
     assert costs[1].param_bytes == param_bytes(layer)
     assert costs[-1].param_bytes == param_bytes(nn.Linear(hidden, 2))

@@ -91,7 +91,7 @@ class FrozenPrefixCache:
             raise ValueError(f"boundary={boundary} must lie in [0, {len(model)}): the head is never cached")
         for index in range(boundary):
             block = model.blocks[index]
-            if block.training or any(p.requires_grad for p in block.parameters()):
+            if any(m.training for m in block.modules()) or any(p.requires_grad for p in block.parameters()):
                 raise ValueError(
                     f"block {index} is not frozen (training mode or trainable parameters); "
                     "freeze blocks before serving them from the cache"

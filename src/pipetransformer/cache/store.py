@@ -225,7 +225,6 @@ class ActivationStore:
     def __init__(self, layout: StoreLayout, owner: bool) -> None:
         """Map ``layout``'s files; use :meth:`create` or :meth:`attach` instead of calling this."""
         self._layout = layout
-        self._owner = owner
         self._hits = 0
         self._misses = 0
         self._corrupt = 0
@@ -299,7 +298,7 @@ class ActivationStore:
         memory_records = max(0, min(num_samples, (budget - header) // max(1, spec.bytes_per_sample)))
         while memory_records > 0 and _memory_file_bytes(num_samples, spec, memory_records) > budget:
             memory_records -= 1
-        if budget < memory_bytes:
+        if budget < min(memory_bytes, _memory_file_bytes(num_samples, spec, num_samples)):
             logger.warning(
                 "AutoCache: %s has room for %d of %d samples only; the rest go to disk",
                 shm_dir,
@@ -394,13 +393,13 @@ class ActivationStore:
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
         """Boundary of each sample's record (int32; ``EMPTY_BOUNDARY`` if none)."""
-        return self._boundary[self._check_indices(indices)].clone()
+        return self._boundary[self._check_indices(indices)]
 
     def read(self, indices: torch.Tensor, trim_to: int | None = None) -> StoreRead:
         """Gather the records of ``indices``, cut to the first ``trim_to`` positions (text)."""
         idx = self._check_indices(indices)
         spec = self._layout.spec
-        before = self._boundary[idx].clone()
+        before = self._boundary[idx]
         tensors: list[torch.Tensor] = []
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
             length = shape[0] if trim_to is None else min(trim_to, shape[0])

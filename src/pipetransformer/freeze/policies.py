@@ -6,8 +6,11 @@ the embeddings block freezes with layer 0 and the head never freezes.
 
 Every policy is monotone (a frozen layer never thaws: its cached outputs and the pipeline built
 around it stay valid) and capped by ``max_fraction`` so some layers always keep learning.
-Policies count steps and epochs themselves from ``decide`` calls, so how a trainer numbers its
-steps (0- or 1-based) cannot shift a window; the counters are part of ``state_dict``.
+Policies count steps and epochs themselves from ``decide`` calls (a step is counted when ``step``
+differs from the previous call's), so how a trainer numbers its steps (0- or 1-based) cannot shift a
+window, and a trainer may call once more at an epoch's end with the same ``step`` and
+``epoch_end=True`` (it learns the epoch ended only when the sampler runs dry); the counters are part
+of ``state_dict``.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class FreezePolicy(ABC):
         self.steps_done = 0
         self.epochs_done = 0
         self.windows_done = 0
+        self.last_step: int | None = None
 
     def observe(self, layer_grad_norms: Sequence[float]) -> None:
         """Record one optimizer step's per-layer gradient norms (``L`` values; frozen layers are ignored)."""
@@ -112,13 +116,19 @@ class FreezePolicy(ABC):
     def decide(self, step: int, epoch: int, epoch_end: bool) -> FreezeDecision | None:
         """Call after every optimizer step (``epoch_end`` on an epoch's last one); ``None`` means no change.
 
-        ``step`` and ``epoch`` label the decision; the windows are counted from the calls themselves.
+        A repeated ``step`` (an extra call to report the epoch's end) counts no new step. ``step`` and
+        ``epoch`` also label the decision.
         """
-        self.steps_done += 1
+        new_step = step != self.last_step
+        self.last_step = step
+        if new_step:
+            self.steps_done += 1
         if epoch_end:
             self.epochs_done += 1
-        progress = self.steps_done if self.interval_unit == "steps" else self.epochs_done
-        window_end = (self.interval_unit == "steps" or epoch_end) and progress % self.interval == 0
+        if self.interval_unit == "steps":
+            window_end = new_step and self.steps_done % self.interval == 0
+        else:
+            window_end = epoch_end and self.epochs_done % self.interval == 0
         if window_end:
             self.windows_done += 1
         proposal = self._propose(window_end)
@@ -148,6 +158,7 @@ class FreezePolicy(ABC):
             "steps_done": self.steps_done,
             "epochs_done": self.epochs_done,
             "windows_done": self.windows_done,
+            "last_step": self.last_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,6 +171,7 @@ class FreezePolicy(ABC):
         self.steps_done = int(state["steps_done"])
         self.epochs_done = int(state["epochs_done"])
         self.windows_done = int(state["windows_done"])
+        self.last_step = None if state["last_step"] is None else int(state["last_step"])
 
 
 class NoFreezePolicy(FreezePolicy):

@@ -89,7 +89,9 @@ class Link:
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"link bandwidth must be > 0 bytes/s (math.inf for free links), got {self.bandwidth_bytes_per_s}")
+            raise ValueError(
+                f"link bandwidth must be > 0 bytes/s (math.inf for a free link), got {self.bandwidth_bytes_per_s}"
+            )
         if self.latency_s < 0:
             raise ValueError(f"link latency must be >= 0 s, got {self.latency_s}")
 
@@ -120,7 +122,9 @@ def validate_states(costs: Sequence[BlockCost], states: Sequence[BlockState]) ->
     ranks = [_STATE_ORDER[state] for state in states]
     if ranks != sorted(ranks):
         names = ", ".join(state.value for state in states)
-        raise ValueError(f"block states must be cached..., then frozen..., then active... from the bottom up; got [{names}]")
+        raise ValueError(
+            f"block states must be cached..., then frozen..., then active... from the bottom up; got [{names}]"
+        )
 
 
 def block_seconds_per_sample(cost: BlockCost, state: BlockState) -> float:

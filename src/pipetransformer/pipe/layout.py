@@ -55,7 +55,8 @@ class Layout:
         allowed = valid_stage_counts(world_size)
         if num_stages not in allowed:
             raise LayoutError(
-                f"num_stages={num_stages} does not divide world_size={world_size}; allowed: {', '.join(map(str, allowed))}"
+                f"num_stages={num_stages} does not divide world_size={world_size}; "
+                f"allowed: {', '.join(map(str, allowed))}"
             )
         return cls(num_stages, world_size // num_stages)
 
@@ -106,7 +107,8 @@ def block_owners(partition: StagePlan, layout: Layout) -> dict[int, list[int]]:
     """Block -> the ranks holding it (ascending). Cached blocks belong to no stage, hence to no rank."""
     if len(partition.bounds) != layout.num_stages:
         raise LayoutError(
-            f"the partition has {len(partition.bounds)} stages but the layout {layout.num_stages}: build both for the same stage count"
+            f"the partition has {len(partition.bounds)} stages but the layout {layout.num_stages}: "
+            "build both for the same stage count"
         )
     return {
         block: layout.dp_ranks(stage)
@@ -129,7 +131,10 @@ def transfer_plan(
     for block, owners in sorted(new.items()):
         sources = old.get(block)
         if not sources:
-            raise LayoutError(f"block {block} is needed by ranks {owners} but no rank held it before: it cannot come back from the cache")
+            raise LayoutError(
+                f"block {block} is needed by ranks {owners} but no rank held it before: "
+                "it cannot come back from the cache"
+            )
         for dst in owners:
             if dst in sources:
                 continue

@@ -12,7 +12,7 @@ from typing import Any
 from ..config import Config
 from .cost import BlockCost, BlockState, Link
 from .layout import Layout, LayoutError, valid_stage_counts
-from .partition import GIB, Partition, PartitionError, choose_micro_batches, compress, partition
+from .partition import GIB, Partition, PartitionError, choose_micro_batches, partition
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "PER_MICROBATCH_OVERHEAD_S", "BYTES_PER_GB"]
 
@@ -69,34 +69,51 @@ def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, froz
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(config.pipe.link_bandwidth_gbps * BYTES_PER_GB)
     budget = _budget_bytes(config)
-    global_batch = batch_size or config.train.batch_size
+    runnable = len(costs) - cached_blocks
+
+    def width_for(stages: int) -> int:
+        if not config.pipe.enabled or config.dp.enabled or dp_width is None:
+            return world_size // stages
+        return dp_width
+
+    def attempt(stages: int) -> Partition:
+        # GPipe keeps every micro-batch's activations until backward: memory is checked for the
+        # replica's whole batch, which also bounds 1F1B.
+        per_replica = max(1, (batch_size or config.train.batch_size) // width_for(stages))
+        return partition(costs, states, stages, micro_batch_size=per_replica, memory_budget_bytes=budget, link=link)
+
     if not config.pipe.enabled:
-        stages = 1
-        width = world_size
+        stages, part = 1, attempt(1) if budget != math.inf else partition(
+            costs, states, 1, micro_batch_size=1, memory_budget_bytes=budget, link=link)
     elif config.pipe.stages == "auto":
-        probe_width = dp_width or 1
-        ranks = world_size if config.dp.enabled else world_size // probe_width
-        part = compress(costs, states, ranks, micro_batch_size=max(1, global_batch // world_size),
-                        memory_budget_bytes=budget, link=link)
-        stages = part.num_stages
-        width = world_size // stages if (config.dp.enabled or dp_width is None) else dp_width
+        ranks = world_size if (config.dp.enabled or dp_width is None) else world_size // dp_width
+        candidates = [k for k in valid_stage_counts(ranks) if k <= runnable]
+        errors = []
+        for stages in candidates:
+            try:
+                part = attempt(stages)
+                break
+            except PartitionError as error:
+                errors.append(error)
+        else:
+            raise PartitionError(f"no stage count among {candidates} (dividing {ranks} workers) fits "
+                                 f"pipe.device_memory_gb={config.pipe.device_memory_gb}: {errors[-1]}")
     else:
         stages = int(config.pipe.stages)
         if stages not in valid_stage_counts(world_size):
             raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
                               f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
-        width = dp_width if (dp_width is not None and not config.dp.enabled) else world_size // stages
-    if stages > len(costs) - cached_blocks:
-        raise PartitionError(f"{stages} stages but only {len(costs) - cached_blocks} blocks to run: use fewer stages")
-    per_replica = max(1, global_batch // width)
+        if stages > runnable:
+            raise PartitionError(f"pipe.stages={stages} but the model has only {runnable} blocks to run: "
+                                 "use fewer stages")
+        part = attempt(stages)
+    width = width_for(stages)
     micro = 1
-    part = partition(costs, states, stages, micro_batch_size=per_replica, memory_budget_bytes=budget, link=link) \
-        if stages > 1 else partition(costs, states, 1, micro_batch_size=per_replica,
-                                     memory_budget_bytes=math.inf, link=link)  # type: ignore[arg-type]
     if stages > 1:
+        per_replica = max(1, (batch_size or config.train.batch_size) // width)
         if config.pipe.micro_batches == "auto":
-            micro = choose_micro_batches(part, per_replica, per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S
-                                         ).num_micro_batches
+            micro = choose_micro_batches(part, per_replica,
+                                         per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S).num_micro_batches
         else:
             micro = int(config.pipe.micro_batches)
     return LayoutPlan(Layout(stages, width), part, micro, cached_blocks, frozen_blocks)

@@ -1,0 +1,83 @@
+"""Whole training jobs on real gloo workers equal a single-process run of the same steps.
+
+Every comparison runs the same config, seed, samples and freeze decisions in one process without any
+pipeline or elastic machinery; only the float rounding of sums split across ranks may differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
+
+pytestmark = pytest.mark.slow
+
+RTOL = 2e-4
+ATOL = 1e-7
+VIT = "tiny_vit.yaml"
+TEXT = "tiny_text.yaml"
+SAVE = ("run.save_model=true", "run.record_samples=true")
+
+
+@pytest.fixture(scope="module")
+def vit_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("vit-reference")
+    run_job(VIT, run_dir, *SAVE, "train.max_steps=6")
+    return run_dir
+
+
+def test_data_parallel_matches_single_process(tmp_path: Path, vit_reference: Path) -> None:
+    run_job(VIT, tmp_path, *SAVE, "train.max_steps=6", nproc=2)
+    assert_close_states(weights(tmp_path), weights(vit_reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(tmp_path), optimizer_state(vit_reference), RTOL, ATOL)
+    fingerprints = summary(tmp_path)["rank_fingerprints"]
+    assert fingerprints[0] == fingerprints[1], "replicas diverged"
+    assert summary(tmp_path)["layout_history"][0]["dp_width"] == 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_single_process(tmp_path: Path, schedule: str) -> None:
+    steps = ("train.max_steps=4",)
+    reference = tmp_path / "reference"
+    run_job(TEXT, reference, *SAVE, *steps)
+    piped = tmp_path / "piped"
+    run_job(TEXT, piped, *SAVE, *steps, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=4",
+            f"pipe.schedule={schedule}", nproc=2)
+    layout = summary(piped)["layout_history"][0]
+    assert (layout["stages"], layout["dp_width"], layout["micro_batches"]) == (2, 1, 4)
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
+
+
+def _elastic(tmp_path: Path, nproc: int, budget_gb: float, schedule: str) -> Path:
+    """Pipeline compressed by freezing, freed workers turned into replicas, cache on; vs one process."""
+    common = (*SAVE, "data.max_train_samples=96", "freeze.enabled=true", "freeze.policy=schedule",
+              "freeze.interval_unit=steps", f"freeze.schedule={schedule}", "cache.enabled=true")
+    reference = tmp_path / "reference"
+    run_job(VIT, reference, *common)
+    elastic = tmp_path / "elastic"
+    run_job(VIT, elastic, *common, "pipe.enabled=true", "dp.enabled=true", f"pipe.device_memory_gb={budget_gb}",
+            nproc=nproc)
+    assert_close_states(weights(elastic), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(elastic), optimizer_state(reference), RTOL, ATOL)
+    for epoch, indices in seen_samples(elastic).items():
+        assert sorted(indices) == list(range(96)), f"epoch {epoch} did not see every sample exactly once"
+    assert summary(elastic)["steps"] == summary(reference)["steps"] == 12
+    return elastic
+
+
+def test_elastic_two_workers_pipeline_to_replicas(tmp_path: Path) -> None:
+    elastic = _elastic(tmp_path, 2, 0.008, "[[3,2]]")
+    history = summary(elastic)["layout_history"]
+    assert [(h["stages"], h["dp_width"]) for h in history] == [(2, 1), (1, 2)]
+    assert history[1]["step"] == 3 and history[1]["cached_blocks"] == 3
+
+
+def test_elastic_four_workers_4x1_2x2_1x4(tmp_path: Path) -> None:
+    elastic = _elastic(tmp_path, 4, 0.004, "[[3,2],[6,3]]")
+    history = summary(elastic)["layout_history"]
+    assert [(h["stages"], h["dp_width"]) for h in history] == [(4, 1), (2, 2), (1, 4)]
+    fingerprints = summary(elastic)["rank_fingerprints"]
+    assert len({tuple(f) for f in fingerprints}) == 1, "the four replicas diverged"
