@@ -21,16 +21,20 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
 
 __all__ = ["main"]
 
 EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
 LOOPBACK = "127.0.0.1"
+ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
+"""Set for local workers: each writes its one-line user error here, so the launcher can repeat it last."""
+HF_CONFIG_FILE = "config.json"
 
 
 def _under_torchrun() -> bool:
@@ -59,6 +63,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    return int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc_per_node
+
+
+def _check_stage_count(stages: int, world_size: int) -> None:
+    from .pipe.layout import valid_stage_counts  # imports torch: not needed for mistakes in the config itself
+
+    allowed = valid_stage_counts(world_size)
+    if stages not in allowed:
+        raise ConfigError(f"pipe.stages={stages} does not divide the {world_size} workers: set pipe.stages to one "
+                          f"of {', '.join(map(str, allowed))} or auto, or change --nproc-per-node")
+
+
+def _check_before_launch(config: Config, world_size: int) -> None:
+    """Mistakes visible without a model: caught before any worker starts or the run directory is touched."""
+    if world_size < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {world_size}")
+    if config.pipe.enabled and isinstance(config.pipe.stages, int):
+        _check_stage_count(config.pipe.stages, world_size)
+    if config.model.kind == "hf" and config.model.path and not (Path(config.model.path) / HF_CONFIG_FILE).is_file():
+        raise ConfigError(f"model.path={config.model.path} holds no Hugging Face model (no {HF_CONFIG_FILE}): "
+                          "point it at a local directory saved with save_pretrained")
+    if config.data.path and not Path(config.data.path).exists():
+        raise ConfigError(f"data.path={config.data.path} does not exist: point it at your "
+                          f"{'CSV file' if config.data.name == 'text_csv' else 'data folder'}")
+
+
+def _worker_error(error_dir: Path) -> str | None:
+    """The lowest rank's user error, if a worker wrote one."""
+    messages = sorted(error_dir.glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
+    return messages[0].read_text().strip() if messages else None
+
+
 def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ``--nproc-per-node`` workers through torch.distributed.run on this machine (loopback only)."""
     from torch.distributed.run import get_args_parser, run
@@ -68,16 +105,26 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
         "--local-addr", LOOPBACK, "--module", "pipetransformer.cli", "train", args.config,
         *[item for override in overrides for item in ("--set", override)],
     ])
-    try:
-        run(launcher_args)
-    except Exception as error:  # torch's ChildFailedError: workers already printed their own error
-        print(f"error: training failed ({error.__class__.__name__}); the worker's message is above", file=sys.stderr)
-        return EXIT_WORKER_FAILED
+    with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir
+        try:
+            run(launcher_args)
+        except Exception as error:  # torch's ChildFailedError
+            message = _worker_error(Path(error_dir))
+            if message is not None:
+                print(f"error: {message}", file=sys.stderr)
+                return EXIT_USER_ERROR
+            print(f"error: training failed ({error.__class__.__name__}); the worker's message is above",
+                  file=sys.stderr)
+            return EXIT_WORKER_FAILED
+        finally:
+            del os.environ[ERROR_DIR_ENV]
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)  # validate before any worker starts
+    _check_before_launch(config, _world_size(args))
     overrides = list(args.overrides)
     if config.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -96,6 +143,7 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .planning import plan_command
     config = load_config(args.config, args.overrides)
+    _check_before_launch(config, args.nproc_per_node)
     return plan_command(config, args.nproc_per_node, as_json=args.json)
 
 
@@ -115,15 +163,28 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError, PartitionError, FileNotFoundError)
 
 
+def _report_user_error(error: BaseException) -> None:
+    """One line on stderr; a local worker hands it to its launcher, which prints it last."""
+    message = " ".join(str(error).splitlines())
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    rank = int(os.environ.get("RANK", "0"))
+    if error_dir and _under_torchrun():
+        (Path(error_dir) / f"rank{rank}.txt").write_text(message)
+    elif rank == 0 or isinstance(error, ConfigError):
+        print(f"error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parser().parse_args(argv)
     handlers = {"train": _train, "plan": _plan, "report": _report}
     try:
         return handlers[args.command](args)
+    except ConfigError as error:  # first, so a typo is reported without importing torch
+        _report_user_error(error)
+        return EXIT_USER_ERROR
     except _user_errors() as error:
-        if int(os.environ.get("RANK", "0")) == 0 or isinstance(error, ConfigError):
-            print(f"error: {error}", file=sys.stderr)
+        _report_user_error(error)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return EXIT_WORKER_FAILED

@@ -7,6 +7,8 @@ allowed values, so a typo never silently runs the wrong job.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +21,25 @@ __all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "config_fr
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
+    """A configuration that cannot run; the message says what to change, on one line (keys may hold newlines)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.splitlines()))
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that also reads ``1e-4`` as a number: YAML 1.1 (PyYAML) wants ``1.0e-4``, people write both."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass
@@ -159,8 +179,21 @@ class Config:
         }.items():
             if value is not None and value < 1:
                 raise ConfigError(f"{key} must be >= 1 or null, got {value}")
-        if self.train.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.train.lr}")
+        for key, number in {
+            "train.lr": self.train.lr,
+            "dist.timeout_s": self.dist.timeout_s,
+            "pipe.link_bandwidth_gbps": self.pipe.link_bandwidth_gbps,
+        }.items():
+            if number <= 0:
+                raise ConfigError(f"{key} must be > 0, got {number}")
+        if self.train.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
+        if not 0.0 <= self.train.momentum < 1.0:
+            raise ConfigError(f"train.momentum must be in [0, 1), got {self.train.momentum}")
+        if self.train.grad_clip is not None and self.train.grad_clip <= 0:
+            raise ConfigError(f"train.grad_clip must be > 0, or null for no clipping, got {self.train.grad_clip}")
+        if self.dist.threads_per_worker is not None and self.dist.threads_per_worker < 1:
+            raise ConfigError(f"dist.threads_per_worker must be >= 1 or null, got {self.dist.threads_per_worker}")
         if not 0.0 <= self.train.warmup_fraction < 1.0:
             raise ConfigError(f"train.warmup_fraction must be in [0, 1), got {self.train.warmup_fraction}")
         if not 0.0 < self.data.validation_fraction < 1.0:
@@ -173,6 +206,7 @@ class Config:
             raise ConfigError(f"freeze.max_fraction must be in [0, 1], got {self.freeze.max_fraction}")
         if self.freeze.policy == "schedule" and self.freeze.enabled and not self.freeze.schedule:
             raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
+        self._validate_schedule()
         if isinstance(self.pipe.stages, int) and self.pipe.stages < 1:
             raise ConfigError(f"pipe.stages must be 'auto' or >= 1, got {self.pipe.stages}")
         if isinstance(self.pipe.micro_batches, int) and self.pipe.micro_batches < 1:
@@ -197,6 +231,18 @@ class Config:
         if self.model.kind == "hf" and not (self.model.path or self.model.hf_config):
             raise ConfigError("model.kind=hf needs model.path (pretrained directory) or model.hf_config")
 
+    def _validate_schedule(self) -> None:
+        """The shape of ``freeze.schedule``; the bound by the model's layer count is checked by the policy."""
+        previous: list[int] | None = None
+        for entry in self.freeze.schedule or []:
+            if len(entry) != 2 or min(entry) < 0:
+                raise ConfigError(f"freeze.schedule entries are [at, frozen_layers] pairs of integers >= 0, "
+                                  f"got {entry}")
+            if previous is not None and (entry[0] <= previous[0] or entry[1] < previous[1]):
+                raise ConfigError(f"freeze.schedule must have at increasing and frozen_layers never decreasing: "
+                                  f"{previous} is followed by {entry}")
+            previous = entry
+
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
@@ -213,7 +259,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
+        options = [option for option in typing.get_args(tp) if option is not type(None)]
+        if value is None and len(options) < len(typing.get_args(tp)):
+            return None
+        if len(options) == 1:  # optional field: the inner type's message says more than "X | null"
+            return _coerce(key, value, options[0])
+        for option in options:
             try:
                 return _coerce(key, value, option)
             except ConfigError:
@@ -237,6 +288,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
@@ -262,7 +315,7 @@ def _build(cls: Any, values: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    unknown = sorted((str(key) for key in set(values) - set(names)), key=str)
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"unknown key '{where}{unknown[0]}' (allowed under '{prefix or 'top level'}': "
@@ -289,7 +342,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         if not sep or not key:
             raise ConfigError(f"--set expects key=value (e.g. train.lr=1e-4), got {item!r}")
         try:
-            value = yaml.safe_load(raw) if raw else None
+            value = _parse_yaml(raw) if raw else None
         except yaml.YAMLError as error:
             raise ConfigError(f"--set {key}: cannot parse {raw!r} as a value ({error.__class__.__name__})") from None
         node = values
@@ -303,24 +356,51 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
+BASE_KEY = "base"
+"""A config may name another YAML file (relative to itself) whose values it extends."""
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (shipped configs are in configs/)")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' files form a cycle: {' -> '.join(str(p) for p in seen)}")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read it as a text file ({error.__class__.__name__}): "
+                          "pass a YAML config") from None
+    try:
+        loaded = _parse_yaml(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: fix the syntax") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+    base = loaded.pop(BASE_KEY, None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: 'base' must be a file name, got {base!r}")
+    return _deep_merge(_read_yaml(path.parent / base, (*seen, path.resolve())), loaded)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist (shipped configs are in configs/)")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}: malformed YAML{where}: fix the syntax") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-        values = loaded
+    values: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     values = apply_overrides(values, overrides or [])
     config = config_from_dict(values)
     if config.run.name is None and path is not None:

@@ -31,7 +31,7 @@ from .data.sampler import ElasticSampler
 from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
-from .freeze import freeze_blocks, frozen_blocks, frozen_prefix_layers, layer_grad_sq_norms, make_policy
+from .freeze import freeze_blocks, frozen_blocks, frozen_prefix_layers, make_policy
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
@@ -112,6 +112,7 @@ class Trainer:
         self.total_steps = self._total_steps()
         self._loss_denominator = 1
         self._seen: dict[int, list[int]] = {}
+        self._started = time.perf_counter()
 
     # ----------------------------------------------------------------------------------- setup
     def _seed_everything(self, seed: int) -> None:
@@ -369,25 +370,35 @@ class Trainer:
                 clip = self.config.train.grad_clip
                 if clip is not None and total_norm > 0:
                     coef = clip / (total_norm + CLIP_EPSILON)
-                    if coef < 1.0:
-                        for p in self._held_params(held):
-                            if p.grad is not None:
-                                p.grad.mul_(coef)
+                    grads = [p.grad for p in self._held_params(held) if p.grad is not None]
+                    if coef < 1.0 and grads:
+                        torch._foreach_mul_(grads, coef)
                 set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self.policy.observe([math.sqrt(float(v)) for v in layer_sq])
         return float(control[-1]), my_samples
 
+    def _block_grad_sq_norms(self, held: _Held) -> torch.Tensor:
+        """Per block, the sum of squared gradient entries of its trainable parameters held here."""
+        norms = torch.zeros(self.num_blocks, dtype=torch.float64)
+        start, end = held.blocks
+        for index in range(start, end):
+            grads = [p.grad for p in self.model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
+            if grads:
+                norms[index] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        return norms
+
     def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> torch.Tensor:
         """[per-layer grad sq norms..., total grad sq norm, loss]: summed over the world, so every rank
         (idle ones too) decides the same. Gradients count from replica 0 only (replicas hold equal ones
         after sync); the loss from every last stage."""
-        vector = torch.zeros(self.model.num_layers + 2, dtype=torch.float64)
+        layers = self.model.num_layers
+        vector = torch.zeros(layers + 2, dtype=torch.float64)
         if held.replica == 0:
-            vector[: self.model.num_layers] = layer_grad_sq_norms(self.model)
-            vector[self.model.num_layers] = sum(
-                float(p.grad.detach().double().square().sum()) for p in self._held_params(held) if p.grad is not None)
+            blocks = self._block_grad_sq_norms(held)
+            vector[:layers] = blocks[1:layers + 1]
+            vector[layers] = blocks.sum()
         if held.stage is not None and held.stage == held.plan.layout.num_stages - 1:
             vector[-1] = loss_sum
         if self.env.distributed:
@@ -439,7 +450,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         timer = StepTimer(self.env.device)
         cfg = self.config.train
         bar = _progress_bar(self.total_steps) if self.env.is_main and self.config.run.progress else None
@@ -531,7 +542,7 @@ class Trainer:
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
                   "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self.sync_bytes(),
-                  "wall_s": time.perf_counter(), **timer.as_record()}
+                  "wall_s": time.perf_counter() - self._started, **timer.as_record()}
         if self.cache is not None:
             m = self.cache.metrics()
             record.update({"cache_hit_rate": m.hit_rate, "cache_memory_bytes": m.memory_used_bytes,

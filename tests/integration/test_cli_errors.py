@@ -1,0 +1,96 @@
+"""Bad input to the real CLI: a one-line ``error:`` that names what to change, a non-zero exit, no
+traceback, and the files of the run directory it was pointed at left as they were."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_VIT = str(ROOT / "configs" / "tiny_vit.yaml")
+TINY_TEXT = str(ROOT / "configs" / "tiny_text.yaml")
+TIMEOUT_S = 300
+NOTES = "notes.txt"
+PREVIOUS_CONFIG = "config.yaml"
+PIPE_ON = ("--set", "pipe.enabled=true")
+TINY_BUDGET = ("--set", "pipe.device_memory_gb=0.000001")
+
+
+@dataclass(frozen=True)
+class Case:
+    args: tuple[str, ...]
+    names: tuple[str, ...]  # what the error line must mention
+    command: str = "train"
+    in_trainer: bool = False  # found after the trainer started, which rewrites config.yaml first
+
+
+CASES = {
+    "malformed_yaml": Case(("{bad}",), ("malformed YAML", "line 3")),
+    "unknown_key": Case((TINY_VIT, "--set", "train.lrr=0.1"), ("'train.lrr'", "lr")),
+    "bad_value": Case((TINY_VIT, "--set", "train.batch_size=big"), ("train.batch_size", "integer")),
+    "bad_literal": Case((TINY_VIT, "--set", "pipe.schedule=zigzag"), ("pipe.schedule", "'1f1b'")),
+    "stages_do_not_divide_workers": Case((TINY_VIT, *PIPE_ON, "--set", "pipe.stages=3", "--nproc-per-node", "2"),
+                                         ("pipe.stages=3", "2 workers", "1, 2")),
+    "more_stages_than_blocks": Case((TINY_VIT, *PIPE_ON, "--set", "pipe.stages=4", "--set", "model.vit.depth=1",
+                                     "--nproc-per-node", "4"), ("pipe.stages=4", "3 blocks"), command="plan"),
+    "model_over_memory_budget": Case((TINY_VIT, *PIPE_ON, *TINY_BUDGET), ("pipe.device_memory_gb",),
+                                     in_trainer=True),
+    "model_over_memory_budget_2_workers": Case((TINY_VIT, *PIPE_ON, *TINY_BUDGET, "--nproc-per-node", "2"),
+                                               ("pipe.device_memory_gb", "2 workers"), in_trainer=True),
+    "text_csv_without_path": Case((TINY_TEXT, "--set", "data.name=text_csv"), ("data.path",)),
+    "missing_data_path": Case((TINY_VIT, "--set", "data.name=image_folder", "--set", "data.path={tmp}/nowhere"),
+                              ("data.path", "nowhere", "does not exist")),
+    "hf_path_without_model": Case((TINY_TEXT, "--set", "model.hf_config=null", "--set", "model.path={tmp}"),
+                                  ("model.path", "config.json")),
+    "zero_workers": Case((TINY_VIT, "--nproc-per-node", "0"), ("--nproc-per-node",)),
+}
+
+
+def _previous_run(run_dir: Path) -> dict[str, str]:
+    """A run directory as an earlier run left it."""
+    run_dir.mkdir()
+    files = {NOTES: "my notes on the previous run\n", PREVIOUS_CONFIG: "seed: 12345\n"}
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    return files
+
+
+def _run(case: Case, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("seed: 0\nrun: {log_every: 1\ntrain: [\n")
+    args = [a.replace("{bad}", str(bad_yaml)).replace("{tmp}", str(tmp_path)) for a in case.args]
+    command = [sys.executable, "-m", "pipetransformer.cli", case.command, *args]
+    if case.command == "train":
+        command += ["--set", f"run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _assert_clean_error(result: subprocess.CompletedProcess[str], names: tuple[str, ...]) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = result.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-3000:]
+    for name in names:
+        assert name in last, last
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gives_one_line_error_and_keeps_the_run_directory(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    run_dir = tmp_path / "run"
+    files = _previous_run(run_dir)
+    result = _run(case, tmp_path, run_dir)
+    _assert_clean_error(result, case.names)
+    assert (run_dir / NOTES).read_text() == files[NOTES]
+    if case.in_trainer and (run_dir / PREVIOUS_CONFIG).read_text() != files[PREVIOUS_CONFIG]:
+        pytest.xfail("known: Trainer._resolve_run_dir writes config.yaml before the model, data and plan are "
+                     "checked, so a failed start overwrites the previous run's config")
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(files)
+    assert {f: (run_dir / f).read_text() for f in files} == files
