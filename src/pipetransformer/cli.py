@@ -32,6 +32,7 @@ __all__ = ["main"]
 EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
 LOOPBACK = "127.0.0.1"
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
 """Set for local workers: each writes its one-line user error here, so the launcher can repeat it last."""
 HF_CONFIG_FILE = "config.json"
@@ -51,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
     train.add_argument("--nproc-per-node", type=int, default=1,
                        help="local workers to start (ignored under an outer torchrun)")
-    train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a worker failure")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restarts after a worker failure; each resumes from the newest valid checkpoint")
+    train.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
+                       help="continue from a checkpoint directory, or the newest valid one in the run (auto)")
     plan = commands.add_parser("plan", help="print block costs, the partition and the predicted step time")
     plan.add_argument("config")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -105,6 +109,8 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
         "--local-addr", LOOPBACK, "--module", "pipetransformer.cli", "train", args.config,
         *[item for override in overrides for item in ("--set", override)],
     ])
+    # Restarted workers hang in rendezvous when they share the agent's TCP store (FINDINGS, scale-up).
+    os.environ.setdefault(SHARED_STORE_ENV, "1")
     with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
@@ -123,9 +129,11 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)  # validate before any worker starts
-    _check_before_launch(config, _world_size(args))
     overrides = list(args.overrides)
+    if args.resume is not None or args.max_restarts > 0:
+        overrides.append(f"checkpoint.resume={args.resume or 'auto'}")
+    config = load_config(args.config, overrides)  # validate before any worker starts
+    _check_before_launch(config, _world_size(args))
     if config.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
@@ -156,11 +164,13 @@ def _report(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change: shown as one line, without a traceback."""
+    from .checkpoint import CheckpointError
     from .data.batch import DatasetUnavailableError
     from .models.blocks import BlockSplitError
     from .pipe.layout import LayoutError
     from .pipe.partition import PartitionError
-    return (ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError, PartitionError, FileNotFoundError)
+    from .trainer import TrainingDivergedError
+    return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError, PartitionError, FileNotFoundError)
 
 
 def _report_user_error(error: BaseException) -> None:

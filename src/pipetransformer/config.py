@@ -136,9 +136,11 @@ class CacheConfig:
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True  # at epoch ends, every every_steps, and on SIGTERM
     every_steps: int | None = None  # null = only at epoch ends (and on SIGTERM)
     keep: int = 2
-    dir: str | None = None  # default <run dir>/checkpoints
+    dir: str | None = None  # default <run dir>/checkpoints; on several nodes, storage every node sees
+    resume: str | None = None  # "auto" (newest valid checkpoint, if any) or a checkpoint directory
 
 
 @dataclass

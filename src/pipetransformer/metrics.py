@@ -56,9 +56,9 @@ class StepTimer:
 class JsonlWriter:
     """Appends one JSON object per line; flushed per record so a killed run keeps what it logged."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from .cache.prefix import FrozenPrefixCache
 from .cache.store import ActivationStore, StoreLayout, spec_from_activation
+from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, check_compatible, latest_valid_checkpoint,
+                         load_checkpoint, model_fingerprint, save_checkpoint)
 from .config import Config, config_to_dict
 from .data import load_datasets
 from .data.batch import Batch, IndexedDataset
@@ -42,7 +45,7 @@ from .pipe.planner import LayoutPlan, plan_layout
 from .pipe.profile import profile_blocks
 from .pipe.stage import PipelineRunner, StageModule
 
-__all__ = ["Trainer", "train"]
+__all__ = ["Trainer", "TrainingDivergedError", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,12 @@ LENGTH_BUCKET = 8
 PROFILE_BATCH = 8
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
 ANALYTIC_FLOPS_PER_SECOND = 2e10
+RNG_MODULUS = 2**63
 """Assumed device speed for the analytical cost model; only ratios matter to the partition."""
+
+
+class TrainingDivergedError(RuntimeError):
+    """Loss or gradients became NaN/inf; the message names the step and layer."""
 
 
 @dataclass
@@ -73,6 +81,10 @@ class _Progress:
     eval_history: list[dict[str, Any]] = field(default_factory=list)
     transitions: list[dict[str, Any]] = field(default_factory=list)
     freeze_decisions: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_before_s: float = 0.0  # wall time of earlier attempts (before a resume)
+    epoch_done: bool = False  # the checkpointed epoch had finished (resume starts the next one)
+    restarts: int = 0
 
 
 class Trainer:
@@ -92,8 +104,6 @@ class Trainer:
             vit=dict(config.model.vit) if config.model.kind == "vit" else None,
             attn_implementation=config.model.attn_implementation).to(self.env.device)
         self.model.train()
-        # Ranks start from the same weights; per-rank streams afterwards (dropout in replicas differs).
-        torch.manual_seed(config.seed + 1 + self.env.rank)
         self.num_blocks = len(self.model)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         f = config.freeze
@@ -102,17 +112,26 @@ class Trainer:
                                   max_fraction=f.max_fraction, schedule=f.schedule, seed=config.seed)
         self.progress = _Progress()
         self.initial_width: int | None = None
+        self.checkpoint_dir = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
+        resumed = self._resume_checkpoint()
+        if resumed is not None:
+            self._restore(resumed)
         self.costs = self._block_costs()
         self.cache: FrozenPrefixCache | None = None
         self.store: ActivationStore | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.held = self._adopt(self._plan(), previous=None)
         self.initial_width = self.held.plan.layout.dp_width
-        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl") if self.env.is_main else None
+        if resumed is not None:
+            self._restore_optimizer(resumed.optimizer)
+        append = resumed is not None
+        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", append) if self.env.is_main else None
+        self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
+                           if config.run.record_samples else None)
         self.total_steps = self._total_steps()
         self._loss_denominator = 1
-        self._seen: dict[int, list[int]] = {}
         self._started = time.perf_counter()
+        self._stop_requested = False
 
     # ----------------------------------------------------------------------------------- setup
     def _seed_everything(self, seed: int) -> None:
@@ -328,8 +347,20 @@ class Trainer:
             pad = min(self.config.data.max_length, math.ceil(longest / LENGTH_BUCKET) * LENGTH_BUCKET)
         return self.train_set.get_batch(indices, pad_to=pad)
 
+    def _check_finite(self, loss: float, total_norm: float, layer_sq: torch.Tensor) -> None:
+        """Stop before a non-finite update reaches the weights; the last checkpoint stays the last good one."""
+        if math.isfinite(loss) and math.isfinite(total_norm):
+            return
+        bad = [i for i, v in enumerate(layer_sq.tolist()) if not math.isfinite(v)]
+        where = f"first in layer_{bad[0]}" if bad else "in the embeddings or head"
+        raise TrainingDivergedError(
+            f"non-finite loss ({loss}) or gradient norm ({total_norm}) at step {self.progress.step + 1}, {where}; "
+            f"no update was applied; lower train.lr or set train.grad_clip, then resume from {self.checkpoint_dir}")
+
     def _train_step(self, global_batch: list[int], timer: StepTimer) -> tuple[float, int]:
         """One optimizer step on ``global_batch``; returns (mean loss over the global batch, my samples)."""
+        # Dropout streams depend on (seed, step, rank) only, so a resumed run draws the same masks.
+        torch.manual_seed(hash((self.config.seed, self.progress.step, self.env.rank)) % RNG_MODULUS)
         held = self.held
         layout = held.plan.layout
         self._loss_denominator = len(global_batch)
@@ -341,8 +372,8 @@ class Trainer:
             with timer.phase("data"):
                 batch = self._local_batch(mine)
             my_samples = len(mine)
-            if self.config.run.record_samples and held.stage == 0:  # one record per replica
-                self._seen.setdefault(self.progress.epoch, []).extend(mine)
+            if self.sample_log is not None and held.stage == 0:  # one record per replica
+                self.sample_log.write({"epoch": self.progress.epoch, "step": self.progress.step + 1, "indices": mine})
             if batch is not None and self.runner is None:
                 with timer.phase("forward"):
                     activation = self._prefix(batch)
@@ -365,6 +396,8 @@ class Trainer:
             control = self._control_vector(held, loss_sum)
         layer_sq = control[: self.model.num_layers]
         total_norm = math.sqrt(float(control[self.model.num_layers]))
+        self._check_finite(float(control[-1]), total_norm, layer_sq)
+        self._stop_requested = bool(control[-2] > 0)
         with timer.phase("optimizer"):
             if self.optimizer is not None:
                 clip = self.config.train.grad_clip
@@ -390,11 +423,12 @@ class Trainer:
         return norms
 
     def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> torch.Tensor:
-        """[per-layer grad sq norms..., total grad sq norm, loss]: summed over the world, so every rank
+        """[per-layer grad sq norms..., total grad sq norm, stop requests, loss]: summed over the world, so every rank
         (idle ones too) decides the same. Gradients count from replica 0 only (replicas hold equal ones
         after sync); the loss from every last stage."""
         layers = self.model.num_layers
-        vector = torch.zeros(layers + 2, dtype=torch.float64)
+        vector = torch.zeros(layers + 3, dtype=torch.float64)
+        vector[-2] = float(self._stop_requested)
         if held.replica == 0:
             blocks = self._block_grad_sq_norms(held)
             vector[:layers] = blocks[1:layers + 1]
@@ -450,51 +484,149 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
-        started = self._started = time.perf_counter()
+        started = self._started = time.perf_counter() - self.progress.elapsed_before_s
         timer = StepTimer(self.env.device)
         cfg = self.config.train
-        bar = _progress_bar(self.total_steps) if self.env.is_main and self.config.run.progress else None
-        done = False
+        bar = _progress_bar(self.total_steps, self.progress.step) if self.env.is_main and self.config.run.progress \
+            else None
+        resumed_mid_epoch = self.progress.step > 0 and not self.progress.epoch_done
+        first_epoch = self.progress.epoch + (1 if self.progress.epoch_done else 0)
+        done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
         try:
-            for epoch in range(cfg.epochs):
-                self.progress.epoch = epoch
-                self.sampler.set_epoch(epoch)
+            for epoch in range(first_epoch, cfg.epochs):
+                if done:
+                    break
+                self.progress.epoch, self.progress.epoch_done = epoch, False
+                if not (resumed_mid_epoch and epoch == first_epoch):
+                    self.sampler.set_epoch(epoch)
                 while not done:
                     timer.reset()
                     with timer.phase("data"):
-                        global_batch = self.sampler.next_global_batch(self._global_batch_size(self.held.plan.layout.dp_width))
+                        global_batch = self.sampler.next_global_batch(
+                            self._global_batch_size(self.held.plan.layout.dp_width))
                     if global_batch is None:
                         break
                     loss, _ = self._train_step(global_batch, timer)
                     self.progress.step += 1
                     self.progress.samples += len(global_batch)
-                    step_s = timer.total()
-                    self._log_step(loss, len(global_batch), step_s, timer, bar)
+                    self._log_step(loss, len(global_batch), timer.total(), timer, bar)
                     decision = self.policy.decide(self.progress.step, epoch, epoch_end=False)
                     if decision is not None:
                         self._apply_decision(decision)
                     if cfg.eval_every_steps and self.progress.step % cfg.eval_every_steps == 0:
                         self._record_eval(started)
                     done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
-                if not cfg.eval_every_steps or not self.progress.eval_history or \
-                        self.progress.eval_history[-1]["step"] != self.progress.step:
+                    every = self.config.checkpoint.every_steps
+                    periodic = every and self.progress.step % every == 0 and not self._epoch_exhausted()
+                    if self._stop_requested or periodic:  # at an epoch's end the epoch-end checkpoint follows
+                        self.save_checkpoint(started)
+                    if self._stop_requested:
+                        logger.warning("SIGTERM: checkpoint written at step %d, stopping", self.progress.step)
+                        return self._finish(started)
+                if not self.progress.eval_history or self.progress.eval_history[-1]["step"] != self.progress.step:
                     self._record_eval(started)
                 decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
                 if decision is not None and not done:
                     self._apply_decision(decision)
-                if done:
-                    break
+                self.progress.epoch_done = True
+                self.save_checkpoint(started)
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
+        return self._finish(started)
+
+    def _epoch_exhausted(self) -> bool:
+        left = self.sampler.remaining()
+        return left == 0 or (self.sampler.drop_last and left < self._global_batch_size(self.held.plan.layout.dp_width))
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Checkpoint at the next step boundary (all ranks agree through the control vector), then stop."""
+        self._stop_requested = True
+
+    def _finish(self, started: float) -> dict[str, Any]:
         summary = self._summary(time.perf_counter() - started)
         if self.env.is_main:
             write_json(self.run_dir / "summary.json", summary)
-        if self.config.run.record_samples:
-            write_json(self.run_dir / f"samples-rank{self.env.rank}.json", {str(k): v for k, v in self._seen.items()})
         if self.config.run.save_model:
             self.save_model(self.run_dir)
         return summary
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def _meta(self, started: float) -> dict[str, Any]:
+        progress = dict(self.progress.__dict__)
+        progress["elapsed_before_s"] = time.perf_counter() - started
+        return {
+            "step": self.progress.step,
+            "epoch": self.progress.epoch,
+            "sampler": self.sampler.state_dict(),
+            "policy": self.policy.state_dict(),
+            "progress": progress,
+            "initial_width": self.initial_width,
+            "world_size": self.env.world_size,
+            META_CONFIG_KEY: config_to_dict(self.config),
+            META_FINGERPRINT_KEY: model_fingerprint(self.model.named_parameters()),
+        }
+
+    def save_checkpoint(self, started: float) -> None:
+        """Gather the layout-independent state on rank 0 and write it atomically (all ranks must call)."""
+        if not self.config.checkpoint.enabled:
+            return
+        weights, optimizer = self.gather_state()
+        if not self.env.is_main:
+            return
+        saved = save_checkpoint(self.checkpoint_dir, self.progress.step, weights, optimizer, self._meta(started),
+                                keep=self.config.checkpoint.keep)
+        record = {"step": saved.step, "bytes": saved.bytes_written, "seconds": saved.seconds, "path": str(saved.path)}
+        self.progress.checkpoints.append(record)
+        if self.metrics is not None:
+            self.metrics.write({"event": "checkpoint", **record})
+
+    def _resume_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank."""
+        resume = self.config.checkpoint.resume
+        if resume is None:
+            return None
+        if resume == "auto":
+            checkpoint = latest_valid_checkpoint(self.checkpoint_dir) if self.env.is_main else None
+            chosen = broadcast_string(str(checkpoint.path) if checkpoint is not None else "")
+            if not chosen:
+                logger.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
+                return None
+        else:
+            chosen = resume
+        checkpoint = load_checkpoint(Path(chosen))
+        check_compatible(checkpoint.meta, model_fingerprint=model_fingerprint(self.model.named_parameters()),
+                         config=config_to_dict(self.config))
+        return checkpoint
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        meta = checkpoint.meta
+        with torch.no_grad():
+            self.model.load_state_dict(checkpoint.weights)
+        self.policy.load_state_dict(meta["policy"])
+        if self.policy.frozen:
+            freeze_blocks(self.model, frozen_blocks(self.policy.frozen, self.model.num_layers), None)
+        self.sampler.load_state_dict(meta["sampler"])
+        progress = dict(meta["progress"])
+        progress["restarts"] = int(progress.get("restarts", 0)) + 1
+        self.progress = _Progress(**progress)
+        self.progress.layout_history = list(self.progress.layout_history)
+        if meta["world_size"] == self.env.world_size:
+            self.initial_width = meta["initial_width"]
+        logger.info("resumed from %s (step %d, epoch %d)", checkpoint.path, self.progress.step, self.progress.epoch)
+
+    def _restore_optimizer(self, state: dict[str, torch.Tensor]) -> None:
+        if self.optimizer is None:
+            return
+        keys = OPTIMIZER_STATE_KEYS[self.config.train.optimizer]
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for param in self._held_params(self.held):
+            name = names[id(param)]
+            if f"{name}.{keys[0]}" in state:
+                self.optimizer.state[param] = {k: state[f"{name}.{k}"].clone() for k in keys}
 
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The layout-independent training state on rank 0: every block's parameters and the optimizer
@@ -579,6 +711,8 @@ class Trainer:
             "transitions": self.progress.transitions,
             "freeze_decisions": self.progress.freeze_decisions,
             "samples_per_s": self.progress.samples / wall_s if wall_s > 0 else None,
+            "restarts": self.progress.restarts,
+            "checkpoints": self.progress.checkpoints,
             "run_dir": str(self.run_dir),
         }
 
@@ -631,9 +765,13 @@ def _layout_from_json(text: str) -> StoreLayout:
                        values["disk_path"], values["disk_records"])
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int, initial: int) -> Any:
     from tqdm import tqdm
-    return tqdm(total=total, dynamic_ncols=True, mininterval=1.0)
+    return tqdm(total=total, initial=initial, dynamic_ncols=True, mininterval=1.0)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def train(config: Config) -> dict[str, Any]:

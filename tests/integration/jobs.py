@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
+POLL_S = 0.02
 
 
 def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_ok: bool = True,
@@ -30,6 +32,52 @@ def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_
     return result
 
 
+def start_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1,
+              extra_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """Like :func:`run_job`, in the background (for tests that signal or kill its workers)."""
+    command = [sys.executable, "-m", "pipetransformer.cli", "train", str(ROOT / "configs" / config),
+               "--nproc-per-node", str(nproc), "--set", f"run.dir={run_dir}", *extra_args]
+    for item in overrides:
+        command += ["--set", item]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_steps(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    return sum('"event": "step"' in line for line in metrics.read_text().splitlines())
+
+
+def worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The worker process of ``rank`` in the job writing to ``run_dir`` (found through /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline and f"RANK={rank}".encode() in environ and f"LOCAL_RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def signal_worker_after(job: subprocess.Popen[str], run_dir: Path, rank: int, steps: int, signum: int) -> bool:
+    """Send ``signum`` to a worker once ``steps`` steps are logged; False if the job ended first."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline and job.poll() is None:
+        if logged_steps(run_dir) >= steps:
+            pid = worker_pid(run_dir, rank)
+            if pid is not None:
+                os.kill(pid, signum)
+                return True
+        time.sleep(POLL_S)
+    return False
+
+
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -43,11 +91,18 @@ def optimizer_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def seen_samples(run_dir: Path) -> dict[int, list[int]]:
-    """Per epoch, every sample index any rank trained on (with repetitions, if any)."""
+    """Per epoch, every sample index the replicas trained on in the steps that counted.
+
+    A step redone after a restart from a checkpoint replaces its earlier attempt (the later line wins).
+    """
+    steps: dict[tuple[int, int, str], list[int]] = {}
+    for path in sorted(run_dir.glob("samples-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps[(record["epoch"], record["step"], path.name)] = record["indices"]
     seen: dict[int, list[int]] = {}
-    for path in sorted(run_dir.glob("samples-rank*.json")):
-        for epoch, indices in json.loads(path.read_text()).items():
-            seen.setdefault(int(epoch), []).extend(indices)
+    for (epoch, _, _), indices in sorted(steps.items()):
+        seen.setdefault(epoch, []).extend(indices)
     return seen
 
 

@@ -1,0 +1,82 @@
+"""Checkpoints, exact resume and fault tolerance on real gloo workers.
+
+A worker is SIGKILLed from outside mid-epoch; torchrun restarts the job, which resumes from its newest
+checkpoint and must end bit-identical to a run that was never interrupted, having trained on every
+sample of every epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import (JOB_TIMEOUT_S, assert_close_states, optimizer_state, run_job, seen_samples, signal_worker_after,
+                  start_job, summary, weights)
+
+pytestmark = pytest.mark.slow
+
+VIT = "tiny_vit.yaml"
+SAMPLES = 96
+COMMON = ("run.save_model=true", "run.record_samples=true", "deterministic=true", f"data.max_train_samples={SAMPLES}",
+          "train.epochs=6", "checkpoint.every_steps=3", "freeze.enabled=true", "freeze.policy=schedule",
+          "freeze.interval_unit=steps", "freeze.schedule=[[9,2]]")
+
+
+def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path) -> None:
+    reference = tmp_path / "uninterrupted"
+    run_job(VIT, reference, *COMMON, nproc=2)
+
+    crashed = tmp_path / "crashed"
+    job = start_job(VIT, crashed, *COMMON, nproc=2, extra_args=("--max-restarts", "1"))
+    # Past the checkpoint at step 6, mid-epoch 1.
+    killed = signal_worker_after(job, crashed, rank=1, steps=7, signum=signal.SIGKILL)
+    output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    assert killed, f"the job ended before a worker could be killed:\n{output[-3000:]}"
+    assert job.returncode == 0, output[-5000:]
+
+    result = summary(crashed)
+    assert result["restarts"] == 1
+    assert result["steps"] == summary(reference)["steps"] == 36
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(crashed)[name], tensor), f"{name} differs after resume"
+    for name, tensor in optimizer_state(reference).items():
+        assert torch.equal(optimizer_state(crashed)[name], tensor), f"{name} differs after resume"
+    for epoch, indices in seen_samples(crashed).items():
+        assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}: not every sample exactly once"
+    assert len(seen_samples(crashed)) == 6
+
+
+def test_sigterm_then_resume_on_fewer_workers_after_corrupt_newest_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM stops a 2-worker job with a checkpoint; corrupt that one; resume on 1 worker from the one before."""
+    reference = tmp_path / "reference"
+    run_job(VIT, reference, *COMMON, nproc=1)
+    job_dir = tmp_path / "job"
+    job = start_job(VIT, job_dir, *COMMON, nproc=2)
+    assert signal_worker_after(job, job_dir, rank=1, steps=10, signum=signal.SIGTERM), "the job ended too early"
+    output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    assert job.returncode == 0, output[-3000:]
+    stopped_at = summary(job_dir)["steps"]
+    assert 10 <= stopped_at < 36
+    checkpoints = sorted((job_dir / "checkpoints").glob("step-*"))
+    assert checkpoints[-1].name == f"step-{stopped_at:09d}", "no checkpoint at the SIGTERM step"
+    newest = checkpoints[-1] / "weights.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated
+    job = job_dir
+    result = run_job(VIT, job, *COMMON, nproc=1, extra_args=("--resume",))
+    assert checkpoints[-1].name in result.stderr and "corrupt" in result.stderr.lower()
+    assert summary(job)["restarts"] == 1 and summary(job)["steps"] == 36
+    assert_close_states(weights(job), weights(reference), 2e-4, 1e-7)
+    assert_close_states(optimizer_state(job), optimizer_state(reference), 2e-4, 1e-7)
+
+
+def test_non_finite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path: Path) -> None:
+    result = run_job(VIT, tmp_path, "train.lr=1.0e+12", "train.grad_clip=null", "checkpoint.every_steps=1",
+                     "train.warmup_fraction=0.0", expect_ok=False)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: non-finite loss") and "at step" in last, last
+    assert "Traceback" not in result.stderr
+    assert any((tmp_path / "checkpoints").glob("step-*")), "the last good checkpoint is gone"
