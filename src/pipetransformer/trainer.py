@@ -27,7 +27,7 @@ from .cache.prefix import FrozenPrefixCache
 from .cache.store import ActivationStore, StoreLayout, spec_from_activation
 from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, check_compatible, latest_valid_checkpoint,
                          load_checkpoint, model_fingerprint, save_checkpoint)
-from .config import Config, config_to_dict
+from .config import Config, ConfigError, config_to_dict
 from .data import load_datasets
 from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
@@ -98,18 +98,24 @@ class Trainer:
         # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
         self.tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
         self.train_set, self.eval_set = self._datasets()
-        self.model: BlockSequence = build_model(
-            config.model.kind, num_labels=self.train_set.num_classes, path=config.model.path,
-            hf_config=config.model.hf_config, pooling=config.model.pooling,
-            vit=dict(config.model.vit) if config.model.kind == "vit" else None,
-            attn_implementation=config.model.attn_implementation).to(self.env.device)
+        try:
+            self.model: BlockSequence = build_model(
+                config.model.kind, num_labels=self.train_set.num_classes, path=config.model.path,
+                hf_config=config.model.hf_config, pooling=config.model.pooling,
+                vit=dict(config.model.vit) if config.model.kind == "vit" else None,
+                attn_implementation=config.model.attn_implementation).to(self.env.device)
+        except (ValueError, TypeError) as error:  # the adapters' messages name the setting
+            raise ConfigError(f"model: {error}") from None
         self.model.train()
         self.num_blocks = len(self.model)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         f = config.freeze
-        self.policy = make_policy(f.policy if f.enabled else "none", self.model.num_layers, interval=f.interval,
-                                  interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
-                                  max_fraction=f.max_fraction, schedule=f.schedule, seed=config.seed)
+        try:
+            self.policy = make_policy(f.policy if f.enabled else "none", self.model.num_layers, interval=f.interval,
+                                      interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
+                                      max_fraction=f.max_fraction, schedule=f.schedule, seed=config.seed)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self.progress = _Progress()
         self.initial_width: int | None = None
         self.checkpoint_dir = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
@@ -132,6 +138,8 @@ class Trainer:
         self._loss_denominator = 1
         self._started = time.perf_counter()
         self._stop_requested = False
+        if self.env.is_main:  # only once set-up succeeded: a bad config never overwrites a run's record
+            (self.run_dir / "config.yaml").write_text(_dump_yaml(config_to_dict(config)))
 
     # ----------------------------------------------------------------------------------- setup
     def _seed_everything(self, seed: int) -> None:
@@ -147,7 +155,6 @@ class Trainer:
         run_dir = Path(path)
         if self.env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(_dump_yaml(config_to_dict(self.config)))
         return run_dir
 
     def _datasets(self) -> tuple[IndexedDataset, IndexedDataset]:

@@ -1,0 +1,242 @@
+"""Shared helpers of the end-to-end benchmarks: run ``pipetransformer train`` jobs, read what they leave
+behind, and write result tables.
+
+Why a helper module: every published number must come from one command, and the machine is shared (2 cores),
+so each benchmark interleaves its configurations, records the load average while each run trains, and
+reports medians over repeats together with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO_ROOT",
+    "CONFIG_DIR",
+    "NPROC",
+    "BENCHMARK_OVERRIDES",
+    "TEXT_FULL_TRAIN_SAMPLES",
+    "VIT_FULL_TRAIN_SAMPLES",
+    "RunResult",
+    "LoadSampler",
+    "interleaved_order",
+    "scaled_interval",
+    "run_training",
+    "machine_info",
+    "median",
+    "step_breakdown",
+    "markdown_table",
+    "fmt",
+    "write_results",
+    "replace_section",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+NPROC = 2
+"""Workers per run: the paper's comparison on this 2-core machine."""
+BENCHMARK_OVERRIDES = ("checkpoint.enabled=false", "run.progress=false")
+"""Checkpoints cost wall time none of the compared systems needs here; a progress bar only fills the logs."""
+TEXT_FULL_TRAIN_SAMPLES = 11_477
+"""Rotten Tomatoes training split (12,752 snippets minus the 10% validation split): scales quick intervals."""
+VIT_FULL_TRAIN_SAMPLES = 60_000
+"""Fashion-MNIST training images (the test split is the evaluation set)."""
+LOAD_SAMPLE_PERIOD_S = 5.0
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class RunResult:
+    """One training run as the benchmark saw it: the trainer's summary plus the machine's load meanwhile."""
+
+    name: str
+    config: str
+    repeat: int
+    run_dir: str
+    returncode: int
+    launcher_s: float  # process start to exit: model loading and worker start-up included
+    load_mean: float | None  # 1-minute load average sampled while the run trained
+    load_max: float | None
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and bool(self.summary)
+
+
+class LoadSampler:
+    """Samples the 1-minute load average in a thread, so a disturbed run is visible in the results."""
+
+    def __init__(self, period_s: float = LOAD_SAMPLE_PERIOD_S) -> None:
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self.samples.append(os.getloadavg()[0])
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """``(repeat, name)`` pairs: every repeat runs all names, rotated by one each time, so a slow phase of the
+    shared machine does not always hit the same configuration."""
+    order: list[tuple[int, str]] = []
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        order.extend((repeat, name) for name in [*names[shift:], *names[:shift]])
+    return order
+
+
+def scaled_interval(interval: int, full_samples: int, quick_samples: int) -> int:
+    """A freeze interval in steps scaled to a smaller training set, so decisions come as often per epoch."""
+    return max(1, round(interval * quick_samples / full_samples))
+
+
+def run_training(name: str, config: Path, repeat: int, runs_dir: Path, overrides: Sequence[str],
+                 nproc: int = NPROC) -> RunResult:
+    """``pipetransformer train CONFIG --nproc-per-node N`` into a fresh ``runs_dir/<name>-r<repeat>``."""
+    run_dir = runs_dir / f"{name}-r{repeat}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a stale summary.json must never pass for this run's
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = runs_dir / f"{name}-r{repeat}.log"
+    command = [sys.executable, "-m", "pipetransformer.cli", "train", str(config), "--nproc-per-node", str(nproc),
+               "--set", f"run.dir={run_dir}", "--set", f"run.name={name}",
+               *[item for override in (*BENCHMARK_OVERRIDES, *overrides) for item in ("--set", override)]]
+    print(f"[{time.strftime('%H:%M:%S')}] {name} (repeat {repeat}): {' '.join(command[2:])}", flush=True)
+    started = time.perf_counter()
+    with LoadSampler() as load, log_path.open("w") as log:
+        completed = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+    elapsed = time.perf_counter() - started
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    error = None
+    if completed.returncode != 0 or not summary:
+        tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        error = f"exit code {completed.returncode}; log {log_path}: " + " | ".join(line.strip() for line in tail)
+        print(f"  FAILED: {error}", flush=True)
+    result = RunResult(name, str(config.relative_to(REPO_ROOT)), repeat, str(run_dir), completed.returncode, elapsed,
+                       statistics.fmean(load.samples) if load.samples else None, max(load.samples, default=None),
+                       summary, error)
+    if result.ok:
+        print(f"  wall {summary['wall_time_s']:.1f} s, best accuracy {summary['best_eval_accuracy']:.4f}, "
+              f"load {result.load_mean:.2f}", flush=True)
+    return result
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (cores, memory, versions, load when the benchmark started)."""
+    import torch
+
+    meminfo = Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").is_file() else []
+    mem_kb = {line.split(":")[0]: int(line.split()[1]) for line in meminfo if line.split()[1:2]}
+    kib_per_gib = 1024 ** 2
+    return {
+        "nproc": os.cpu_count(),
+        "mem_total_gib": round(mem_kb.get("MemTotal", 0) / kib_per_gib, 1),
+        "mem_available_gib": round(mem_kb.get("MemAvailable", 0) / kib_per_gib, 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def step_breakdown(run_dir: Path) -> list[dict[str, Any]]:
+    """Mean seconds per phase of the logged steps, per layout (frozen layers, stages, dp width): shows where a
+    configuration spends its time and how that changes as layers freeze."""
+    groups: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") != "step" or record.get("step") == 1:  # step 1 carries warm-up costs
+            continue
+        key = (record["frozen_layers"], record["stages"], record["dp_width"])
+        groups.setdefault(key, []).append(record)
+    rows = []
+    for (frozen, stages, dp_width), records in groups.items():
+        phases = sorted({k for r in records for k in r if k.endswith("_s") and k not in ("step_s", "wall_s")})
+        row: dict[str, Any] = {"frozen_layers": frozen, "stages": stages, "dp_width": dp_width,
+                               "logged_steps": len(records),
+                               "step_s": statistics.fmean(r["step_s"] for r in records),
+                               "samples_per_s": statistics.fmean(r["samples_per_s"] for r in records)}
+        row.update({p: statistics.fmean(r.get(p, 0.0) for r in records) for p in phases})
+        if any("cache_hit_rate" in r for r in records):
+            row["cache_hit_rate"] = records[-1].get("cache_hit_rate")
+        rows.append(row)
+    return rows
+
+
+def fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, stem: str, markdown: str, payload: dict[str, Any]) -> tuple[Path, Path]:
+    """``<stem>.md`` (what a reader sees) and ``<stem>.json`` (every run, for re-analysis)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=_jsonable) + "\n", encoding="utf-8")
+    return md_path, json_path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, RunResult):
+        return asdict(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def replace_section(path: Path, marker: str, body: str, index_line: str) -> None:
+    """Put ``body`` between ``<!-- marker:start -->``/``<!-- marker:end -->`` in a shared README, leaving other
+    engineers' sections alone; create the README with a short index if it is missing."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.is_file() else (
+        "# Benchmarks\n\nEvery number here comes from one command; each benchmark's README says which.\n\n")
+    if index_line not in text:
+        text = text.rstrip() + f"\n{index_line}\n"
+    if start in text and end in text:
+        before, _, rest = text.partition(start)
+        _, _, after = rest.partition(end)
+        text = before + block + after
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")
