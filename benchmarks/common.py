@@ -29,6 +29,8 @@ __all__ = [
     "BENCHMARK_OVERRIDES",
     "TEXT_FULL_TRAIN_SAMPLES",
     "VIT_FULL_TRAIN_SAMPLES",
+    "TaskSpec",
+    "TASKS",
     "RunResult",
     "LoadSampler",
     "interleaved_order",
@@ -53,6 +55,8 @@ TEXT_FULL_TRAIN_SAMPLES = 11_477
 """Rotten Tomatoes training split (12,752 snippets minus the 10% validation split): scales quick intervals."""
 VIT_FULL_TRAIN_SAMPLES = 60_000
 """Fashion-MNIST training images (the test split is the evaluation set)."""
+BASELINE_MEMBERS = ("ddp", "no_freeze")
+"""Family members that never freeze: quick runs leave their freeze settings alone."""
 LOAD_SAMPLE_PERIOD_S = 5.0
 LOG_TAIL_LINES = 15
 
@@ -100,6 +104,30 @@ class LoadSampler:
         self._thread.join()
 
 
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task's config family (``configs/<prefix>_<member>.yaml``) and how ``--quick`` shortens it."""
+
+    prefix: str
+    full_train_samples: int
+    freeze_interval: int  # the family's freeze.interval (steps) at full size
+    quick_train_samples: int
+    quick_eval_samples: int
+    quick_epochs: int
+
+    def config(self, member: str) -> Path:
+        return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
+
+    def quick_overrides(self, member: str) -> list[str]:
+        """A data subset; freeze decisions scaled down with it so freezing still starts in the first epoch."""
+        overrides = [f"data.max_train_samples={self.quick_train_samples}",
+                     f"data.max_eval_samples={self.quick_eval_samples}", f"train.epochs={self.quick_epochs}"]
+        if member not in BASELINE_MEMBERS:
+            interval = scaled_interval(self.freeze_interval, self.full_train_samples, self.quick_train_samples)
+            overrides.append(f"freeze.interval={interval}")
+        return overrides
+
+
 def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, str]]:
     """``(repeat, name)`` pairs: every repeat runs all names, rotated by one each time, so a slow phase of the
     shared machine does not always hit the same configuration."""
@@ -113,6 +141,16 @@ def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, str
 def scaled_interval(interval: int, full_samples: int, quick_samples: int) -> int:
     """A freeze interval in steps scaled to a smaller training set, so decisions come as often per epoch."""
     return max(1, round(interval * quick_samples / full_samples))
+
+
+TASKS = {
+    # Quick sizes keep one task's whole speed-up family within ~15 minutes on 2 cores; the static 2-stage
+    # pipeline baseline is the slow member (~2.4 s per text step with 8 micro-batches).
+    "text": TaskSpec("text_minilm", TEXT_FULL_TRAIN_SAMPLES, 100, quick_train_samples=1000,
+                     quick_eval_samples=500, quick_epochs=3),
+    "vit": TaskSpec("vit_fashion", VIT_FULL_TRAIN_SAMPLES, 150, quick_train_samples=8000,
+                    quick_eval_samples=2000, quick_epochs=3),
+}
 
 
 def run_training(name: str, config: Path, repeat: int, runs_dir: Path, overrides: Sequence[str],

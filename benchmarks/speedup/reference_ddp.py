@@ -47,13 +47,15 @@ class MeanPoolClassifier(nn.Module):
     def __init__(self, path: str, num_classes: int) -> None:
         super().__init__()
         self.encoder = AutoModel.from_pretrained(path, attn_implementation="sdpa", local_files_only=True)
+        self.encoder.pooler = None  # unused by mean pooling; DDP fails on parameters that get no gradient
+        self.dropout = nn.Dropout(self.encoder.config.hidden_dropout_prob)
         self.head = nn.Linear(self.encoder.config.hidden_size, num_classes)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        return self.head(pooled)
+        return self.head(self.dropout(pooled))
 
 
 def main() -> None:

@@ -21,20 +21,25 @@ TEXT = "tiny_text.yaml"
 SAVE = ("run.save_model=true", "run.record_samples=true")
 
 
-@pytest.fixture(scope="module")
-def vit_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("vit-reference")
-    run_job(VIT, run_dir, *SAVE, "train.max_steps=6")
-    return run_dir
+GRADIENT_FREEZE = ("freeze.enabled=true", "freeze.policy=gradient", "freeze.interval=2", "freeze.interval_unit=steps",
+                   "freeze.alpha=0.5")
 
 
-def test_data_parallel_matches_single_process(tmp_path: Path, vit_reference: Path) -> None:
-    run_job(VIT, tmp_path, *SAVE, "train.max_steps=6", nproc=2)
-    assert_close_states(weights(tmp_path), weights(vit_reference), RTOL, ATOL)
-    assert_close_states(optimizer_state(tmp_path), optimizer_state(vit_reference), RTOL, ATOL)
-    fingerprints = summary(tmp_path)["rank_fingerprints"]
+def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
+    """Plain data parallelism with the gradient-norm freeze policy: every rank takes the same decisions
+    (from all-reduced norms) as the single process, and replicas stay bit-identical."""
+    reference = tmp_path / "reference"
+    run_job(VIT, reference, *SAVE, *GRADIENT_FREEZE, "train.max_steps=8")
+    parallel = tmp_path / "parallel"
+    run_job(VIT, parallel, *SAVE, *GRADIENT_FREEZE, "train.max_steps=8", nproc=2)
+    assert_close_states(weights(parallel), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(parallel), optimizer_state(reference), RTOL, ATOL)
+    fingerprints = summary(parallel)["rank_fingerprints"]
     assert fingerprints[0] == fingerprints[1], "replicas diverged"
-    assert summary(tmp_path)["layout_history"][0]["dp_width"] == 2
+    assert summary(parallel)["layout_history"][0]["dp_width"] == 2
+    decisions = [d["frozen"] for d in summary(parallel)["freeze_decisions"]]
+    assert decisions, "the gradient policy froze nothing"
+    assert decisions == [d["frozen"] for d in summary(reference)["freeze_decisions"]]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

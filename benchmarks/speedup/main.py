@@ -1,0 +1,278 @@
+"""End-to-end speed-up of PipeTransformer over its baselines (the paper's Table 1 / Figure 9), on 2 workers.
+
+One command per table::
+
+    .venv/bin/python benchmarks/speedup/main.py --quick --task text
+    .venv/bin/python benchmarks/speedup/main.py --task both --repeats 3
+
+Runs the config family of a task (``ddp``, ``no_freeze``, ``freeze_only``, ``freeze_pipe_cache``,
+``freeze_pipe_dp``, ``all``) with the same seed and epochs, repeats interleaved (the order rotates each
+repeat), and writes ``results-<task>.md`` / ``results-<task>.json`` here, plus ``pipetransformer report``
+plots of the ``all`` run against the two baselines. For the text task it also measures the plain-PyTorch
+DDP reference (``reference_ddp.py``), so the ``ddp`` baseline can be checked against what a user gets
+without this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import (  # noqa: E402 - the shared helper lives one folder up
+    NPROC,
+    REPO_ROOT,
+    TASKS,
+    RunResult,
+    TaskSpec,
+    fmt,
+    interleaved_order,
+    machine_info,
+    markdown_table,
+    median,
+    replace_section,
+    run_training,
+    step_breakdown,
+    write_results,
+)
+
+__all__ = ["FAMILY", "main"]
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "speedup"
+FAMILY = ("ddp", "no_freeze", "freeze_only", "freeze_pipe_cache", "freeze_pipe_dp", "all")
+BASELINES = ("no_freeze", "ddp")
+REPORTED = ("all", "no_freeze", "ddp")  # runs the report plots put side by side; the first is the reference
+REPORT_PNG = "throughput.png"
+PERCENT = 100.0
+ACCURACY_TOLERANCE_POINTS = 0.5
+TARGET_OVER_NO_FREEZE = 2.5
+TARGET_OVER_DDP = 2.0
+REFERENCE_PAD_TO = 64  # the FINDINGS measurement's fixed length, measured beside the batch's-longest one
+
+
+def _layout_path(summary: dict[str, Any]) -> str:
+    """The layouts a run went through: ``@step frozen-layers stages x dp-width``."""
+    parts = []
+    for entry in summary.get("layout_history", []):
+        cached = f" c{entry['cached_blocks']}" if entry.get("cached_blocks") else ""
+        parts.append(f"@{entry['step']} {entry['frozen_layers']}f {entry['stages']}x{entry['dp_width']}{cached}")
+    return " → ".join(parts) if parts else "-"
+
+
+def _aggregate(results: list[RunResult]) -> dict[str, dict[str, Any]]:
+    """Per config: medians over the repeats that finished."""
+    table: dict[str, dict[str, Any]] = {}
+    for member in FAMILY:
+        done = [r for r in results if r.name == member and r.ok]
+        failed = [r for r in results if r.name == member and not r.ok]
+        if not done and not failed:
+            continue
+        table[member] = {
+            "runs": len(done), "failed": len(failed), "errors": [r.error for r in failed],
+            "final_accuracy": median([r.summary["eval_accuracy"] for r in done]),
+            "best_accuracy": median([r.summary["best_eval_accuracy"] for r in done]),
+            "wall_time_s": median([r.summary["wall_time_s"] for r in done]),
+            "wall_times_s": [r.summary["wall_time_s"] for r in done],
+            "samples_per_s": median([r.summary["samples_per_s"] for r in done]),
+            "load_mean": median([r.load_mean for r in done if r.load_mean is not None]),
+            "load_max": max((r.load_max for r in done if r.load_max is not None), default=None),
+            "layouts": _layout_path(done[-1].summary) if done else "-",
+            "transitions": len(done[-1].summary.get("transitions", [])) if done else None,
+            "transition_s": sum(t["seconds"] for t in done[-1].summary.get("transitions", [])) if done else None,
+            "breakdown": step_breakdown(Path(done[-1].run_dir)) if done else [],
+        }
+    for row in table.values():
+        for base in BASELINES:
+            base_wall = table.get(base, {}).get("wall_time_s")
+            row[f"speedup_over_{base}"] = base_wall / row["wall_time_s"] if base_wall and row["wall_time_s"] else None
+    return table
+
+
+def _targets(table: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's targets for ``all``, with the measured margin (met or missed)."""
+    row = table.get("all")
+    if row is None or row["best_accuracy"] is None:
+        return ["- `all` did not finish: no target can be checked."]
+    lines = []
+    for base, target in (("no_freeze", TARGET_OVER_NO_FREEZE), ("ddp", TARGET_OVER_DDP)):
+        got = row.get(f"speedup_over_{base}")
+        if got is not None:
+            verdict = "met" if got >= target else f"MISSED by {target - got:.2f}x"
+            lines.append(f"- speed-up over `{base}`: {got:.2f}x (target >= {target}x): {verdict}")
+    best_base = max((table[b]["best_accuracy"] for b in BASELINES if b in table and table[b]["best_accuracy"]),
+                    default=None)
+    if best_base is not None:
+        gap = (best_base - row["best_accuracy"]) * PERCENT
+        verdict = "met" if gap <= ACCURACY_TOLERANCE_POINTS else f"MISSED by {gap - ACCURACY_TOLERANCE_POINTS:.2f} points"
+        lines.append(f"- best accuracy {row['best_accuracy'] * PERCENT:.2f}% vs better baseline "
+                     f"{best_base * PERCENT:.2f}% ({-gap:+.2f} points; target within {ACCURACY_TOLERANCE_POINTS}): "
+                     f"{verdict}")
+    return lines
+
+
+def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
+    phases = ("data_s", "forward_s", "backward_s", "forward_backward_s", "allreduce_s", "control_s", "optimizer_s")
+    rows = []
+    for member, row in table.items():
+        for seg in row["breakdown"]:
+            rows.append([member, f"{seg['frozen_layers']}f {seg['stages']}x{seg['dp_width']}", seg["logged_steps"],
+                         fmt(seg["step_s"] * 1e3, 0), fmt(seg["samples_per_s"], 1),
+                         *[fmt(seg[p] * 1e3, 0) if p in seg else "-" for p in phases],
+                         fmt(seg.get("cache_hit_rate"), 2)])
+    header = ["config", "layout", "logged steps", "step ms", "samples/s", "data ms", "fwd ms", "bwd ms",
+              "fwd+bwd (pipe) ms", "allreduce ms", "control ms", "optim ms", "cache hit"]
+    return markdown_table(header, rows)
+
+
+def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[str, dict[str, Any]],
+              machine: dict[str, Any], reference: list[dict[str, Any]], png: str | None) -> str:
+    rows = []
+    for member, row in table.items():
+        rows.append([f"`{member}`", row["runs"], fmt(row["final_accuracy"] and row["final_accuracy"] * PERCENT),
+                     fmt(row["best_accuracy"] and row["best_accuracy"] * PERCENT),
+                     fmt(row["wall_time_s"], 1), fmt(row["speedup_over_no_freeze"], 2, "x"),
+                     fmt(row["speedup_over_ddp"], 2, "x"), fmt(row["samples_per_s"], 1), row["layouts"],
+                     fmt(row["load_mean"], 2)])
+    header = ["config", "runs", "final acc %", "best acc %", "wall s (median)", "vs no_freeze", "vs ddp",
+              "samples/s", "layouts (@step frozen stages x dp, cN = cached blocks)", "load avg"]
+    mode = "quick" if args.quick else "full"
+    overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
+    text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
+            f"Command: `.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
+            f"{' --quick' if args.quick else ''}`", "",
+            f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
+            f"Python {machine['python']}; load average at start {machine['load_average_at_start']}; "
+            f"started {machine['started']}.", "",
+            f"Configs `configs/{spec.prefix}_<name>.yaml`; every run adds `--set checkpoint.enabled=false "
+            f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines).",
+            "", "Wall time is the trainer's `wall_time_s` (training + evaluations, without process start-up and "
+            "model loading); speed-ups are ratios of median wall times. `load avg` is the 1-minute load "
+            "average sampled every 5 s during the run (2 = the two workers alone).", "",
+            markdown_table(header, rows), "", "## Targets (`all`)", "", *_targets(table), "",
+            "## Where a step's time goes (last repeat, mean per logged step, by layout)", "",
+            _breakdown_table(table), ""]
+    failures = [f"- `{m}`: {e}" for m, row in table.items() for e in row["errors"]]
+    if failures:
+        text += ["## Failed runs", "", *failures, ""]
+    if reference:
+        text += ["## Plain-PyTorch reference (`reference_ddp.py`)", "",
+                 markdown_table(["mode", "padding", "global batch", "timed steps", "median ms/step", "samples/s"],
+                                [[r["mode"], r["pad_to"], r["global_batch"], r["timed_steps"],
+                                  fmt(r["median_step_s"] * 1e3, 0), fmt(r["samples_per_s"], 1)] for r in reference]),
+                 "", "Compare with the `ddp` row's samples/s (which also includes evaluation time).", ""]
+    if png:
+        text += [f"![{task}: all vs baselines]({png})", ""]
+    return "\n".join(text)
+
+
+def _run_reference(runs_dir: Path) -> list[dict[str, Any]]:
+    """The plain DDP reference, padded to each batch's longest and to a fixed 64 tokens."""
+    results = []
+    for pad_to in (None, REFERENCE_PAD_TO):
+        out = runs_dir / f"reference-pad{pad_to or 'longest'}.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+                   str(HERE / "reference_ddp.py"), "--out", str(out), *(["--pad-to", str(pad_to)] if pad_to else [])]
+        print(f"reference: {' '.join(command[2:])}", flush=True)
+        log = runs_dir / f"reference-pad{pad_to or 'longest'}.log"
+        with log.open("w") as handle:
+            completed = subprocess.run(command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, check=False)
+        if completed.returncode == 0 and out.is_file():
+            results.append(json.loads(out.read_text()))
+        else:
+            print(f"  reference FAILED (exit {completed.returncode}); see {log}", flush=True)
+    return results
+
+
+def _report(task: str, results: list[RunResult], runs_dir: Path) -> str | None:
+    """``pipetransformer report`` on the last finished ``all`` and baseline runs; one PNG copied next to the results."""
+    dirs = []
+    for member in REPORTED:
+        done = [r for r in results if r.name == member and r.ok]
+        if done:
+            dirs.append(done[-1].run_dir)
+    if len(dirs) < len(REPORTED):
+        return None
+    out = runs_dir / f"report-{task}"
+    command = [sys.executable, "-m", "pipetransformer.cli", "report", *dirs, "--out", str(out)]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if completed.returncode != 0:
+        print(f"report FAILED: {completed.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    name = f"report-{task}-{REPORT_PNG}"
+    shutil.copyfile(out / REPORT_PNG, HERE / name)
+    shutil.copyfile(out / "report.md", HERE / f"report-{task}.md")
+    return name
+
+
+def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]:
+    spec = TASKS[task]
+    runs_dir = args.runs_dir / task
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    members = [m for m in FAMILY if m in args.configs]
+    results = []
+    for repeat, member in interleaved_order(members, args.repeats):
+        overrides = spec.quick_overrides(member) if args.quick else []
+        results.append(run_training(member, spec.config(member), repeat, runs_dir, overrides))
+    reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
+    table = _aggregate(results)
+    png = _report(task, results, runs_dir)
+    markdown = _markdown(task, spec, args, table, machine, reference, png)
+    payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
+               "spec": asdict(spec), "table": table, "reference": reference, "runs": results}
+    md_path, _ = write_results(HERE, f"results-{task}", markdown, payload)
+    print(f"results: {md_path}", flush=True)
+    return {"table": table, "markdown": md_path}
+
+
+def _readme_section(tasks: list[str]) -> None:
+    """This benchmark's section in benchmarks/README.md: the targets line of each results file written so far."""
+    lines = ["## Speed-up (`benchmarks/speedup`)", "",
+             "`.venv/bin/python benchmarks/speedup/main.py [--quick] [--task text|vit|both] [--repeats N]`; "
+             "details and the per-step breakdown in [speedup/README.md](speedup/README.md).", ""]
+    for task in TASKS:
+        results = HERE / f"results-{task}.json"
+        if not results.is_file():
+            continue
+        payload = json.loads(results.read_text())
+        table = payload["table"]
+        rows = [[f"`{m}`", fmt(r["best_accuracy"] and r["best_accuracy"] * PERCENT), fmt(r["wall_time_s"], 1),
+                 fmt(r["speedup_over_no_freeze"], 2, "x"), fmt(r["speedup_over_ddp"], 2, "x")]
+                for m, r in table.items()]
+        lines += [f"### {task} ({'quick' if payload['quick'] else 'full'}, {payload['repeats']} repeat(s), "
+                  f"load at start {payload['machine']['load_average_at_start']})", "",
+                  markdown_table(["config", "best acc %", "wall s", "vs no_freeze", "vs ddp"], rows), "",
+                  *_targets(table), ""]
+    replace_section(HERE.parent / "README.md", "speedup", "\n".join(lines),
+                    "- [speedup](speedup/README.md): end-to-end speed-up over the baselines (paper Table 1 / Fig. 9)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="subset of the data, so one task takes ~15 minutes")
+    parser.add_argument("--task", choices=(*TASKS, "both"), default="text")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved")
+    parser.add_argument("--configs", nargs="+", choices=FAMILY, default=list(FAMILY),
+                        help="a subset of the family (the speed-ups need ddp and no_freeze)")
+    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR, help="where run directories go")
+    parser.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch DDP reference")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    machine = machine_info()
+    print(json.dumps(machine), flush=True)
+    tasks = list(TASKS) if args.task == "both" else [args.task]
+    for task in tasks:
+        _run_task(task, args, machine)
+    _readme_section(tasks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
