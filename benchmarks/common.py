@@ -57,6 +57,8 @@ VIT_FULL_TRAIN_SAMPLES = 60_000
 """Fashion-MNIST training images (the test split is the evaluation set)."""
 BASELINE_MEMBERS = ("ddp", "no_freeze")
 """Family members that never freeze: quick runs leave their freeze settings alone."""
+NON_PHASE_SECONDS = ("step_s", "wall_s", "samples_per_s")
+"""Step-record fields ending in ``_s`` that are no phase of the step."""
 LOAD_SAMPLE_PERIOD_S = 5.0
 LOG_TAIL_LINES = 15
 
@@ -223,7 +225,7 @@ def step_breakdown(run_dir: Path) -> list[dict[str, Any]]:
         groups.setdefault(key, []).append(record)
     rows = []
     for (frozen, stages, dp_width), records in groups.items():
-        phases = sorted({k for r in records for k in r if k.endswith("_s") and k not in ("step_s", "wall_s")})
+        phases = sorted({k for r in records for k in r if k.endswith("_s") and k not in NON_PHASE_SECONDS})
         row: dict[str, Any] = {"frozen_layers": frozen, "stages": stages, "dp_width": dp_width,
                                "logged_steps": len(records),
                                "step_s": statistics.fmean(r["step_s"] for r in records),

@@ -51,6 +51,7 @@ BASELINES = ("no_freeze", "ddp")
 REPORTED = ("all", "no_freeze", "ddp")  # runs the report plots put side by side; the first is the reference
 REPORT_PNG = "throughput.png"
 PERCENT = 100.0
+MS_PER_S = 1000.0
 ACCURACY_TOLERANCE_POINTS = 0.5
 TARGET_OVER_NO_FREEZE = 2.5
 TARGET_OVER_DDP = 2.0
@@ -123,8 +124,8 @@ def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
     for member, row in table.items():
         for seg in row["breakdown"]:
             rows.append([member, f"{seg['frozen_layers']}f {seg['stages']}x{seg['dp_width']}", seg["logged_steps"],
-                         fmt(seg["step_s"] * 1e3, 0), fmt(seg["samples_per_s"], 1),
-                         *[fmt(seg[p] * 1e3, 0) if p in seg else "-" for p in phases],
+                         fmt(seg["step_s"] * MS_PER_S, 0), fmt(seg["samples_per_s"], 1),
+                         *[fmt(seg[p] * MS_PER_S, 0) if p in seg else "-" for p in phases],
                          fmt(seg.get("cache_hit_rate"), 2)])
     header = ["config", "layout", "logged steps", "step ms", "samples/s", "data ms", "fwd ms", "bwd ms",
               "fwd+bwd (pipe) ms", "allreduce ms", "control ms", "optim ms", "cache hit"]
@@ -165,7 +166,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
         text += ["## Plain-PyTorch reference (`reference_ddp.py`)", "",
                  markdown_table(["mode", "padding", "global batch", "timed steps", "median ms/step", "samples/s"],
                                 [[r["mode"], r["pad_to"], r["global_batch"], r["timed_steps"],
-                                  fmt(r["median_step_s"] * 1e3, 0), fmt(r["samples_per_s"], 1)] for r in reference]),
+                                  fmt(r["median_step_s"] * MS_PER_S, 0), fmt(r["samples_per_s"], 1)] for r in reference]),
                  "", "Compare with the `ddp` row's samples/s (which also includes evaluation time).", ""]
     if png:
         text += [f"![{task}: all vs baselines]({png})", ""]

@@ -49,7 +49,7 @@ class RunConfig:
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
     progress: bool = True  # progress bar on rank 0
     save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
-    record_samples: bool = False  # write samples-rank<R>.json: the sample indices each rank trained on
+    record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
 
 
 @dataclass
@@ -57,36 +57,36 @@ class ModelConfig:
     kind: Literal["minilm", "hf", "vit"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT
     path: str | None = None  # kind=hf: local directory of a pretrained encoder
     hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
-    pooling: Literal["mean", "cls"] = "mean"
-    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)
     vit: dict[str, Any] = field(default_factory=dict)  # kind=vit: build_vit keyword arguments
 
 
 @dataclass
 class DataConfig:
-    name: Literal["rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"] = "rotten_tomatoes"
+    name: Literal["rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"] = "rotten_tomatoes"  # see README
     path: str | None = None  # text_csv / image_folder
     max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
-    validation_fraction: float = 0.1
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    validation_fraction: float = 0.1  # seeded held-out split (Fashion-MNIST uses its own test set)
+    max_train_samples: int | None = None  # seeded subset, for quick runs
+    max_eval_samples: int | None = None  # seeded subset of the evaluation set
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 1
+    epochs: int = 1  # passes over the training set
     max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs when reached)
     batch_size: int = 32  # global batch (all replicas together)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 5e-5
-    weight_decay: float = 0.01
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # state moves with its parameters at layout changes
+    lr: float = 5e-5  # peak learning rate
+    weight_decay: float = 0.01  # decoupled (AdamW); frozen parameters leave the optimizer
     momentum: float = 0.9  # sgd only
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
     warmup_fraction: float = 0.06  # of the total steps
     grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
     eval_every_steps: int | None = None  # null = evaluate at every epoch end
-    eval_batch_size: int = 128
-    drop_last: bool = False
+    eval_batch_size: int = 128  # evaluation is sharded over every worker
+    drop_last: bool = False  # drop an epoch's short last batch instead of training on it
 
 
 @dataclass
@@ -99,8 +99,8 @@ class DistConfig:
 
 @dataclass
 class FreezeConfig:
-    enabled: bool = False
-    policy: Literal["gradient", "geometric", "schedule", "random", "none"] = "gradient"
+    enabled: bool = False  # AutoFreeze
+    policy: Literal["gradient", "geometric", "schedule", "random", "none"] = "gradient"  # gradient: the paper's AutoFreeze
     interval: int = 1  # decision window length, in interval_unit
     interval_unit: Literal["steps", "epochs"] = "epochs"
     alpha: float = 0.25  # geometric pace: fraction of the remaining layers frozen per decision
@@ -111,10 +111,10 @@ class FreezeConfig:
 
 @dataclass
 class PipeConfig:
-    enabled: bool = False
+    enabled: bool = False  # AutoPipe: pipeline stages over the workers, re-partitioned as layers freeze
     stages: int | Literal["auto"] = "auto"  # auto: fewest stages that fit device_memory_gb
-    micro_batches: int | Literal["auto"] = "auto"
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    micro_batches: int | Literal["auto"] = "auto"  # auto: from the cost model (bubble vs per-micro-batch overhead)
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"  # torch.distributed.pipelining schedule
     device_memory_gb: float | None = None  # per-device budget for the partitioner (CPU: a budget you set)
     link_bandwidth_gbps: float = 10.0  # stage-to-stage bandwidth assumed by the cost model (GB/s)
     profile: bool = True  # measure block costs on the device; false = analytical estimate
@@ -123,12 +123,12 @@ class PipeConfig:
 @dataclass
 class DPConfig:
     enabled: bool = False  # elastic: workers freed by pipeline compression become new replicas
-    batch_policy: Literal["keep_global", "keep_per_pipeline"] = "keep_global"
+    batch_policy: Literal["keep_global", "keep_per_pipeline"] = "keep_global"  # keep_per_pipeline: global batch and lr grow with the width (linear scaling)
 
 
 @dataclass
 class CacheConfig:
-    enabled: bool = False
+    enabled: bool = False  # AutoCache: frozen prefix output per sample, computed once
     min_frozen: int = 1  # frozen layers needed before the cache starts
     memory_gb: float = 2.0  # shared-memory level budget; the rest spills to dir
     dir: str | None = None  # disk level; default <run dir>/cache
@@ -138,7 +138,7 @@ class CacheConfig:
 class CheckpointConfig:
     enabled: bool = True  # at epoch ends, every every_steps, and on SIGTERM
     every_steps: int | None = None  # null = only at epoch ends (and on SIGTERM)
-    keep: int = 2
+    keep: int = 2  # newest valid checkpoints kept
     dir: str | None = None  # default <run dir>/checkpoints; on several nodes, storage every node sees
     resume: str | None = None  # "auto" (newest valid checkpoint, if any) or a checkpoint directory
 

@@ -12,20 +12,17 @@ import json
 import math
 from typing import Any
 
-import torch
-
 from .config import Config
 from .data import load_datasets
 from .models import build_model, load_tokenizer, minilm_path
-from .pipe.cost import BlockCost, analytic_costs
+from .pipe.cost import BlockCost
 from .pipe.partition import bubble_fraction, predict_step_time
 from .pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
-from .pipe.profile import profile_blocks
+from .pipe.profile import estimate_block_costs
 
 __all__ = ["plan_command", "plan_report"]
 
 PROFILE_BATCH = 8
-ANALYTIC_FLOPS_PER_SECOND = 2e10
 
 
 def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
@@ -39,17 +36,8 @@ def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
                         attn_implementation=config.model.attn_implementation)
     pad = config.data.max_length if train.task == "text" else None
     inputs = train.get_batch(list(range(min(PROFILE_BATCH, len(train)))), pad_to=pad).inputs
-    if config.pipe.profile:
-        return profile_blocks(model, inputs), model.block_names()
-    with torch.no_grad():
-        hidden = model.blocks[0](*inputs)[0]
-    seq_len, dim = hidden.shape[1], hidden.shape[2]
-    heads = getattr(getattr(model.blocks[1], "config", None), "num_attention_heads", 1) or 1
-    width = inputs[0].shape[1] if train.task == "text" else inputs[0][0].numel() // seq_len
-    return analytic_costs(num_layers=model.num_layers, hidden_size=dim, seq_len=seq_len, num_heads=heads,
-                          vocab_size=max(1, width), num_classes=train.num_classes,
-                          flops_per_second=ANALYTIC_FLOPS_PER_SECOND, embedding_is_lookup=train.task == "text",
-                          carries_attention_mask=train.task == "text"), model.block_names()
+    costs = estimate_block_costs(model, inputs, num_classes=train.num_classes, measure=config.pipe.profile)
+    return costs, model.block_names()
 
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],

@@ -39,10 +39,10 @@ from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
 from .optim import build_optimizer, lr_at, set_lr
-from .pipe.cost import BlockCost, analytic_costs
+from .pipe.cost import BlockCost
 from .pipe.layout import transfer_plan
 from .pipe.planner import LayoutPlan, plan_layout
-from .pipe.profile import profile_blocks
+from .pipe.profile import estimate_block_costs
 from .pipe.stage import PipelineRunner, StageModule
 
 __all__ = ["Trainer", "TrainingDivergedError", "train"]
@@ -53,9 +53,7 @@ LENGTH_BUCKET = 8
 """Pipelined text batches are padded up to a multiple of this, so stages see few distinct shapes."""
 PROFILE_BATCH = 8
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
-ANALYTIC_FLOPS_PER_SECOND = 2e10
-RNG_MODULUS = 2**63
-"""Assumed device speed for the analytical cost model; only ratios matter to the partition."""
+RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
 
 
 class TrainingDivergedError(RuntimeError):
@@ -136,6 +134,7 @@ class Trainer:
                            if config.run.record_samples else None)
         self.total_steps = self._total_steps()
         self._loss_denominator = 1
+        self._allreduce_bytes = 0
         self._started = time.perf_counter()
         self._stop_requested = False
         if self.env.is_main:  # only once set-up succeeded: a bad config never overwrites a run's record
@@ -170,33 +169,17 @@ class Trainer:
         return tuple(t.to(self.env.device) for t in batch.inputs)
 
     def _block_costs(self) -> list[BlockCost]:
-        """Profiled on rank 0 and broadcast, so every rank plans from the same numbers."""
+        """Measured (or estimated) on rank 0 and broadcast, so every rank plans from the same numbers."""
         if not self.config.pipe.enabled:
             return [BlockCost(1.0, 2.0, 0, 0, 0) for _ in range(self.num_blocks)]
-        if self.config.pipe.profile:
-            costs = profile_blocks(self.model, self._example_inputs(PROFILE_BATCH)) if self.env.is_main else []
-        else:
-            costs = self._analytic_costs()
+        costs = estimate_block_costs(self.model, self._example_inputs(PROFILE_BATCH),
+                                     num_classes=self.train_set.num_classes,
+                                     measure=self.config.pipe.profile) if self.env.is_main else []
         table = torch.tensor([[c.forward_s, c.backward_s, c.output_bytes, c.param_bytes, c.activation_bytes]
                               for c in costs] if costs else [[0.0] * 5] * self.num_blocks, dtype=torch.float64)
         if self.env.distributed:
             dist.broadcast(table, src=0)
         return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
-
-    def _analytic_costs(self) -> list[BlockCost]:
-        example = self._example_inputs(1)
-        with torch.no_grad():
-            hidden = self.model.blocks[0](*example)
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        seq_len, dim = hidden.shape[1], hidden.shape[2]
-        layer = self.model.blocks[1]
-        heads = getattr(getattr(layer, "config", None), "num_attention_heads", 1) or 1
-        embed_width = example[0].shape[1] if self.train_set.task == "text" else example[0][0].numel() // seq_len
-        return analytic_costs(num_layers=self.model.num_layers, hidden_size=dim, seq_len=seq_len, num_heads=heads,
-                              vocab_size=max(1, embed_width), num_classes=self.train_set.num_classes,
-                              flops_per_second=ANALYTIC_FLOPS_PER_SECOND,
-                              embedding_is_lookup=self.train_set.task == "text",
-                              carries_attention_mask=self.train_set.task == "text")
 
     def _total_steps(self) -> int:
         per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
@@ -398,7 +381,7 @@ class Trainer:
                 if losses:
                     loss_sum += sum(float(l.detach()) for l in losses)
             with timer.phase("allreduce"):
-                self.sync.synchronize()
+                self._allreduce_bytes = self.sync.synchronize()
         with timer.phase("control"):
             control = self._control_vector(held, loss_sum)
         layer_sq = control[: self.model.num_layers]
@@ -680,16 +663,13 @@ class Trainer:
                   "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
-                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self.sync_bytes(),
+                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes,
                   "wall_s": time.perf_counter() - self._started, **timer.as_record()}
         if self.cache is not None:
             m = self.cache.metrics()
             record.update({"cache_hit_rate": m.hit_rate, "cache_memory_bytes": m.memory_used_bytes,
                            "cache_disk_bytes": m.disk_used_bytes, "cache_seconds_saved": m.seconds_saved})
         self.metrics.write(record)
-
-    def sync_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.sync.params) if self.sync.active else 0
 
     def _fingerprints(self) -> list[list[float]]:
         """Per rank: [stage, sum of its held parameters in float64]. Replicas of a stage must agree bit for bit."""

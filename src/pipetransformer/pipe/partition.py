@@ -194,7 +194,7 @@ def compress(
     states: Sequence[BlockState],
     world_size: int,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | Callable[[int], int],
     memory_budget_bytes: float,
     link: Link,
     optimizer_state_factor: int = ADAMW_STATE_FACTOR,
@@ -205,6 +205,8 @@ def compress(
     Fewer stages leave more ranks for data-parallel replicas, which on a pipeline's bubble and
     messages is the cheaper way to use them; one stage means pure data parallelism. For a given
     stage count the partition is already the fastest, so ties between plans cannot remain.
+    ``micro_batch_size`` may depend on the stage count (a function of it): with more replicas each
+    one's batch, and so its activation memory, shrinks.
     """
     validate_states(costs, states)
     counts = [k for k in valid_stage_counts(world_size) if k <= max(1, len(costs) - _cached_prefix(states))]
@@ -214,7 +216,7 @@ def compress(
             costs,
             states,
             num_stages,
-            micro_batch_size=micro_batch_size,
+            micro_batch_size=micro_batch_size(num_stages) if callable(micro_batch_size) else micro_batch_size,
             memory_budget_bytes=memory_budget_bytes,
             link=link,
             optimizer_state_factor=optimizer_state_factor,

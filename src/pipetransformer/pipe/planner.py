@@ -12,7 +12,7 @@ from typing import Any
 from ..config import Config
 from .cost import BlockCost, BlockState, Link
 from .layout import Layout, LayoutError, valid_stage_counts
-from .partition import GIB, Partition, PartitionError, choose_micro_batches, partition
+from .partition import GIB, Partition, PartitionError, choose_micro_batches, compress, partition
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "PER_MICROBATCH_OVERHEAD_S", "BYTES_PER_GB"]
 
@@ -76,28 +76,26 @@ def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, froz
             return world_size // stages
         return dp_width
 
-    def attempt(stages: int) -> Partition:
+    def replica_batch(stages: int) -> int:
         # GPipe keeps every micro-batch's activations until backward: memory is checked for the
         # replica's whole batch, which also bounds 1F1B.
-        per_replica = max(1, (batch_size or config.train.batch_size) // width_for(stages))
-        return partition(costs, states, stages, micro_batch_size=per_replica, memory_budget_bytes=budget, link=link)
+        return max(1, (batch_size or config.train.batch_size) // width_for(stages))
+
+    def attempt(stages: int) -> Partition:
+        return partition(costs, states, stages, micro_batch_size=replica_batch(stages), memory_budget_bytes=budget,
+                         link=link)
 
     if not config.pipe.enabled:
-        stages, part = 1, attempt(1) if budget != math.inf else partition(
-            costs, states, 1, micro_batch_size=1, memory_budget_bytes=budget, link=link)
+        stages, part = 1, attempt(1)
     elif config.pipe.stages == "auto":
         ranks = world_size if (config.dp.enabled or dp_width is None) else world_size // dp_width
-        candidates = [k for k in valid_stage_counts(ranks) if k <= runnable]
-        errors = []
-        for stages in candidates:
-            try:
-                part = attempt(stages)
-                break
-            except PartitionError as error:
-                errors.append(error)
-        else:
-            raise PartitionError(f"no stage count among {candidates} (dividing {ranks} workers) fits "
-                                 f"pipe.device_memory_gb={config.pipe.device_memory_gb}: {errors[-1]}")
+        try:
+            part = compress(costs, states, ranks, micro_batch_size=replica_batch, memory_budget_bytes=budget,
+                            link=link)
+        except PartitionError as error:
+            raise PartitionError(f"pipe.device_memory_gb={config.pipe.device_memory_gb} is too small for "
+                                 f"{ranks} workers: {error}") from None
+        stages = part.num_stages
     else:
         stages = int(config.pipe.stages)
         if stages not in valid_stage_counts(world_size):
@@ -110,9 +108,8 @@ def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, froz
     width = width_for(stages)
     micro = 1
     if stages > 1:
-        per_replica = max(1, (batch_size or config.train.batch_size) // width)
         if config.pipe.micro_batches == "auto":
-            micro = choose_micro_batches(part, per_replica,
+            micro = choose_micro_batches(part, replica_batch(stages),
                                          per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S).num_micro_batches
         else:
             micro = int(config.pipe.micro_batches)
