@@ -263,7 +263,10 @@ class Trainer:
                     self.optimizer.state[p] = received[p]
                 elif p in old_state and old_state[p]:
                     self.optimizer.state[p] = old_state[p]
-        self.sync = GradientSync(params, self.dp_group)
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()
+        # One backward per step only without a pipeline schedule: then buckets overlap backward.
+        self.sync = GradientSync(params, self.dp_group, overlap=held.plan.layout.num_stages == 1)
 
     def _build_stage(self, held: _Held) -> None:
         self.runner: PipelineRunner | None = None

@@ -3,26 +3,21 @@
 DDP cannot be wrapped around a ``PipelineStage`` (FINDINGS: wrong gradients or an internal assert), and
 its static membership does not fit replicas that appear at run time, so replicas sum their gradients
 themselves: trainable parameters only (frozen ones are never all-reduced), flattened into buckets of
-``bucket_bytes`` so each collective is large, and launched asynchronously so buckets overlap each other.
+``bucket_bytes`` so each collective is large, and launched asynchronously. With ``overlap`` a bucket is
+launched from the autograd hook of its last parameter, while backward still runs on earlier layers, as
+DDP does; that needs exactly one backward per step (not a pipeline schedule's one per micro-batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["GradientSync", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
-
-
-@dataclass
-class SyncStats:
-    bytes: int = 0
-    seconds: float = 0.0
 
 
 class GradientSync:
@@ -33,7 +28,7 @@ class GradientSync:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False) -> None:
         self.group = group
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[torch.nn.Parameter]] = []
@@ -48,26 +43,47 @@ class GradientSync:
                 current, size = [], 0
         if current:
             self.buckets.append(current)
+        self._pending: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        self._ready: list[int] = [0] * len(self.buckets)
+        self._launched = 0  # buckets launched this step (always a prefix of the bucket list)
+        self._hooks = []
+        if overlap and self.active:
+            for index, bucket in enumerate(self.buckets):
+                for param in bucket:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
 
     @property
     def active(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1 and bool(self.params)
 
+    def _hook(self, index: int):  # type: ignore[no-untyped-def]
+        def on_grad_ready(_: torch.Tensor) -> None:
+            self._ready[index] += 1
+            # Collectives must start in the same order on every replica: bucket by bucket.
+            while (self._launched < len(self.buckets)
+                   and self._ready[self._launched] == len(self.buckets[self._launched])):
+                self._launch(self._launched)
+        return on_grad_ready
+
+    def _launch(self, index: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[index]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        self._pending[index] = (flat, work)
+        self._launched = index + 1
+
     def synchronize(self) -> int:
-        """All-reduce (sum) every bucket; returns the bytes reduced by this rank."""
+        """Finish the all-reduce of every bucket (launching those no hook launched); returns bytes reduced."""
         if not self.active:
             return 0
-        flats: list[tuple[list[torch.nn.Parameter], torch.Tensor, dist.Work]] = []
+        while self._launched < len(self.buckets):
+            self._launch(self._launched)
         total = 0
-        for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            total += flat.numel() * flat.element_size()
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            assert work is not None
-            flats.append((bucket, flat, work))
-        for bucket, flat, work in flats:
+        for index, bucket in enumerate(self.buckets):
+            flat, work = self._pending.pop(index)
             work.wait()
+            total += flat.numel() * flat.element_size()
             offset = 0
             for param in bucket:
                 numel = param.numel()
@@ -77,4 +93,12 @@ class GradientSync:
                 else:
                     param.grad.copy_(chunk)
                 offset += numel
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
         return total
+
+    def close(self) -> None:
+        """Remove the autograd hooks (the layout changed and a new sync takes over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
