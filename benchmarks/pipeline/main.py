@@ -56,8 +56,8 @@ MICRO_BATCHES = 4
 NUM_CLASSES = 10
 LEARNING_RATE = 1e-4
 SEED = 0
-VIT = {"image_size": 128, "patch_size": 16, "in_channels": 27, "dim": 192, "depth": 6, "heads": 4}
-"""64 patches of 16x16x27 values: the patch projection costs about three encoder layers of width 192."""
+VIT = {"image_size": 128, "patch_size": 16, "in_channels": 36, "dim": 192, "depth": 6, "heads": 4}
+"""64 patches of 16x16x36 values: the patch projection costs several encoder layers of width 192."""
 FREE_LINK = Link(bandwidth_bytes_per_s=math.inf)
 """Every cut of a ViT sends the same hidden-state tensor, so the link cannot change which cut wins."""
 PROFILE_WARMUP = 2
@@ -113,6 +113,24 @@ def _shared_costs(model: BlockSequence, pixels: torch.Tensor, rank: int) -> list
         table = torch.tensor([[getattr(c, f) for f in COST_FIELDS] for c in costs], dtype=torch.float64)
     dist.broadcast(table, src=0)
     return [BlockCost(r[0], r[1], int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
+
+
+def _embedding_training_s(model: BlockSequence, pixels: torch.Tensor) -> float:
+    """Per-sample forward+backward of block 0 as training runs it: the pixels need no gradient.
+
+    ``profile_blocks`` makes every floating-point block input require a gradient, so for block 0
+    it also times the patch convolution's input gradient; this shows how much that adds.
+    """
+    micro = pixels[: BATCH_SIZE // MICRO_BATCHES]
+    times = []
+    for run in range(PROFILE_WARMUP + PROFILE_REPEATS):
+        start = time.perf_counter()
+        (hidden,) = model.blocks[0](micro)
+        hidden.backward(torch.ones_like(hidden))
+        if run >= PROFILE_WARMUP:
+            times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times) / len(micro)
 
 
 @dataclass
@@ -176,6 +194,7 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
         pixels = torch.randn(BATCH_SIZE, channels, size, size)
         labels = torch.randint(0, NUM_CLASSES, (BATCH_SIZE,))
         costs = _shared_costs(model, pixels, rank)
+        embedding_training_s = _embedding_training_s(model, pixels) if rank == 0 else math.nan
         states = [BlockState.ACTIVE] * len(model)
         micro = BATCH_SIZE // MICRO_BATCHES
         balanced = partition(costs, states, WORLD_SIZE, micro_batch_size=micro, memory_budget_bytes=math.inf,
@@ -213,6 +232,7 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
                 "block_names": model.block_names(),
                 "bounds": {"uniform": uniform, "balanced": balanced},
                 "predicted_bottleneck_s": predicted,
+                "embedding_training_s": embedding_training_s,
                 "step_s": slowest,
                 "load_average_per_round": loads,
             }
@@ -277,6 +297,8 @@ def report(result: dict[str, object]) -> str:
         f"load average (1, 5, 15 min) before {result['load_before']}, after {result['load_after']}, "
         f"per round {[round(x, 2) for x in result['load_average_per_round']]}",  # type: ignore[union-attr]
         f"profiled fwd+bwd ms per sample: {per_block}",
+        f"block 0 fwd+bwd ms per sample without the pixels' gradient (as in training): "
+        f"{result['embedding_training_s'] * 1e3:.2f}",  # type: ignore[operator]
         f"uniform stages {bounds['uniform']}, balanced stages {bounds['balanced']}",
         "",
         "| configuration | median step ms |",

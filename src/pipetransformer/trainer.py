@@ -135,6 +135,7 @@ class Trainer:
         self.total_steps = self._total_steps()
         self._loss_denominator = 1
         self._allreduce_bytes = 0
+        self._layer_norms: list[float] = []
         self._started = time.perf_counter()
         self._stop_requested = False
         if self.env.is_main:  # only once set-up succeeded: a bad config never overwrites a run's record
@@ -200,11 +201,13 @@ class Trainer:
     def _plan(self) -> LayoutPlan:
         return plan_layout(self.config, self.costs, self.env.world_size, frozen_blocks=self._frozen_prefix_blocks(),
                            cached_blocks=self._cached_blocks(), dp_width=self.initial_width,
-                           batch_size=self._global_batch_size(None))
+                           global_batch=self._global_batch_size)
 
-    def _global_batch_size(self, width: int | None) -> int:
+    def _global_batch_size(self, width: int) -> int:
+        """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it
+        started with, so the global batch grows with the width."""
         base = self.config.train.batch_size
-        if self.config.dp.batch_policy == "keep_per_pipeline" and width and self.initial_width:
+        if self.config.dp.batch_policy == "keep_per_pipeline" and self.initial_width:
             return base * width // self.initial_width
         return base
 
@@ -402,7 +405,8 @@ class Trainer:
                 set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        self.policy.observe([math.sqrt(float(v)) for v in layer_sq])
+        self._layer_norms = [math.sqrt(float(v)) for v in layer_sq]
+        self.policy.observe(self._layer_norms)
         return float(control[-1]), my_samples
 
     def _block_grad_sq_norms(self, held: _Held) -> torch.Tensor:
@@ -666,7 +670,7 @@ class Trainer:
                   "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
-                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes,
+                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes, "layer_grad_norms": self._layer_norms,
                   "wall_s": time.perf_counter() - self._started, **timer.as_record()}
         if self.cache is not None:
             m = self.cache.metrics()

@@ -6,6 +6,7 @@ pipeline or elastic machinery; only the float rounding of sums split across rank
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,31 @@ def test_elastic_four_workers_4x1_2x2_1x4(tmp_path: Path) -> None:
     assert [(h["stages"], h["dp_width"]) for h in history] == [(4, 1), (2, 2), (1, 4)]
     fingerprints = summary(elastic)["rank_fingerprints"]
     assert len({tuple(f) for f in fingerprints}) == 1, "the four replicas diverged"
+
+
+def test_two_by_two_1f1b_repartitions_frozen_blocks(tmp_path: Path) -> None:
+    """4 workers as 2 stages x 2 replicas under 1F1B; a freeze re-balances the stages mid-training."""
+    common = (*SAVE, "data.max_train_samples=96", "train.max_steps=5", "freeze.enabled=true",
+              "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[2,2]]")
+    reference = tmp_path / "reference"
+    run_job(VIT, reference, *common)
+    piped = tmp_path / "piped"
+    run_job(VIT, piped, *common, "pipe.enabled=true", "pipe.stages=2", "pipe.schedule=1f1b", "pipe.micro_batches=2",
+            nproc=4)
+    history = summary(piped)["layout_history"]
+    assert [(h["stages"], h["dp_width"]) for h in history] == [(2, 2), (2, 2)]
+    assert history[0]["bounds"] != history[1]["bounds"], "the freeze did not re-balance the stages"
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
+
+
+def test_keep_per_pipeline_batch_policy_grows_batch_and_lr(tmp_path: Path) -> None:
+    run_job(VIT, tmp_path, "train.max_steps=4", "pipe.enabled=true", "dp.enabled=true", "pipe.device_memory_gb=0.008",
+            "dp.batch_policy=keep_per_pipeline", "train.warmup_fraction=0.0", "train.lr_schedule=constant",
+            "freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[2,3]]",
+            "cache.enabled=true", nproc=2)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["event"] == "step"]
+    assert [s["dp_width"] for s in steps] == [1, 1, 2, 2]
+    assert [s["global_batch"] for s in steps] == [16, 16, 32, 32]
+    assert steps[2]["lr"] == pytest.approx(2 * steps[0]["lr"]), "linear scaling rule: lr grows with the width"

@@ -24,7 +24,15 @@ class BlockSplitError(ValueError):
 
 
 def as_activation(value: torch.Tensor | Sequence[torch.Tensor]) -> Activation:
-    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+    """A block's output as a tuple of tensors; anything else cannot cross a process boundary or be cached."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    activation = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    for item in activation:
+        if not isinstance(item, torch.Tensor):
+            raise BlockSplitError(f"a block returned a {type(item).__name__}: blocks must return a tensor or a tuple "
+                                  "of tensors (wrap the module so it returns only tensors)")
+    return activation
 
 
 def run_blocks(blocks: Sequence[nn.Module], activation: Activation) -> Activation:

@@ -6,6 +6,7 @@ Pure, so ``pipetransformer plan`` and every training rank compute the same plan 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,13 @@ def _budget_bytes(config: Config) -> int:
 
 
 def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, frozen_blocks: int, cached_blocks: int,
-                dp_width: int | None = None, batch_size: int | None = None) -> LayoutPlan:
+                dp_width: int | None = None, global_batch: Callable[[int], int] | None = None) -> LayoutPlan:
     """The layout for the current freeze state.
 
     ``pipe.stages: auto`` compresses to the fewest stages that fit ``pipe.device_memory_gb``. With
     ``dp.enabled`` the freed ranks become replicas (width = world / stages); without it the width stays
     ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
+    ``global_batch`` gives the global batch for a width (``dp.batch_policy``); default: ``train.batch_size``.
     """
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(config.pipe.link_bandwidth_gbps * BYTES_PER_GB)
@@ -79,7 +81,8 @@ def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, froz
     def replica_batch(stages: int) -> int:
         # GPipe keeps every micro-batch's activations until backward: memory is checked for the
         # replica's whole batch, which also bounds 1F1B.
-        return max(1, (batch_size or config.train.batch_size) // width_for(stages))
+        width = width_for(stages)
+        return max(1, (global_batch(width) if global_batch else config.train.batch_size) // width)
 
     def attempt(stages: int) -> Partition:
         return partition(costs, states, stages, micro_batch_size=replica_batch(stages), memory_budget_bytes=budget,
