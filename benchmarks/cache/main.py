@@ -54,6 +54,9 @@ SEED = 0
 STORE_HEADROOM_BYTES = 1 << 20
 """Room for the store's index arrays on top of the records, so every sample lives in shared memory."""
 TARGET_IDEAL_RATIO = 0.9
+MS_PER_SECOND = 1e3
+KIB_PER_GIB = 2**20
+"""/proc/meminfo counts kibibytes."""
 FINDINGS_CACHED_SPEEDUP = (3.3, 3.5)
 """FINDINGS.md: 4 of 6 frozen and cached, MiniLM, batch 32, 64 tokens."""
 MODES = {"trimmed": None, "fixed64": FIXED_LENGTH}
@@ -147,11 +150,16 @@ def _create_store(model: BlockSequence, batch: Batch, boundary: int, num_samples
 
 
 def _median_ms(values: list[float]) -> float:
-    return statistics.median(values) * 1e3
+    return statistics.median(values) * MS_PER_SECOND
 
 
-def _ideal_compute_s(costs: list[BlockCost], boundary: int, batch_size: int) -> float:
-    return batch_size * sum(c.forward_s + c.backward_s for c in costs[boundary:])
+def _profiled_ms(profiles: list[list[list[BlockCost]]], batches: list[Batch], boundary: int) -> float:
+    """Median over rounds and batches of the profiled forward+backward of blocks ``boundary..`` for the batch."""
+    return statistics.median(
+        len(batch) * sum(c.forward_s + c.backward_s for c in costs[boundary:]) * MS_PER_SECOND
+        for round_costs in profiles
+        for costs, batch in zip(round_costs, batches, strict=True)
+    )
 
 
 def run_mode(
@@ -181,9 +189,8 @@ def run_mode(
                     config.times.prefix.append(prefix)
                     config.times.forward_backward.append(forward_backward)
                     config.times.optimizer.append(optimizer)
-            profiles.append(
-                [profile_blocks(configs[0].model, b.inputs, warmup=1, repeats=settings.profile_repeats) for b in batches]
-            )
+            repeats = settings.profile_repeats
+            profiles.append([profile_blocks(configs[0].model, b.inputs, warmup=1, repeats=repeats) for b in batches])
             loads.append(os.getloadavg()[0])
             summary = ", ".join(f"{c.name} {_median_ms(c.times.total[-len(batches):]):.0f}" for c in configs)
             log(f"  round {round_index + 1}/{settings.rounds} (load {loads[-1]:.2f}): ms {summary}")
@@ -211,17 +218,13 @@ def _summarize(
         "active": {
             "step_ms": active_ms,
             "optimizer_ms": _median_ms(by_name["active"].times.optimizer),
-            "profile_all_blocks_ms": statistics.median(
-                _ideal_compute_s(costs, 0, len(b)) * 1e3 for round_ in profiles for costs, b in zip(round_, batches)
-            ),
+            "profile_all_blocks_ms": _profiled_ms(profiles, batches, 0),
         }
     }
     for k in FROZEN_LAYER_COUNTS:
         boundary = k + 1
         frozen, cached = by_name[f"frozen{k}"], by_name[f"cached{k}"]
-        ideal_compute_ms = statistics.median(
-            _ideal_compute_s(costs, boundary, len(b)) * 1e3 for round_ in profiles for costs, b in zip(round_, batches)
-        )
+        ideal_compute_ms = _profiled_ms(profiles, batches, boundary)
         optimizer_ms = _median_ms(cached.times.optimizer)
         ideal_ms = ideal_compute_ms + optimizer_ms
         cached_ms = _median_ms(cached.times.total)
@@ -252,7 +255,7 @@ def machine() -> dict[str, object]:
     meminfo = Path("/proc/meminfo").read_text().split("\n")[0].split()
     return {
         "nproc": os.cpu_count(),
-        "memory_gib": round(int(meminfo[1]) / 2**20, 1),
+        "memory_gib": round(int(meminfo[1]) / KIB_PER_GIB, 1),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),

@@ -125,7 +125,8 @@ class Trainer:
         self.store: ActivationStore | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.held = self._adopt(self._plan(), previous=None)
-        self.initial_width = self.held.plan.layout.dp_width
+        if self.initial_width is None:  # a resumed run keeps the width it started with
+            self.initial_width = self.held.plan.layout.dp_width
         if resumed is not None:
             self._restore_optimizer(resumed.optimizer)
         append = resumed is not None
@@ -339,7 +340,7 @@ class Trainer:
             return None
         pad = None
         if self.runner is not None and self.train_set.task == "text":
-            longest = int(self.train_set.get_batch(indices).inputs[0].shape[1])
+            longest = int(self.train_set.lengths[torch.tensor(indices)].max())
             pad = min(self.config.data.max_length, math.ceil(longest / LENGTH_BUCKET) * LENGTH_BUCKET)
         return self.train_set.get_batch(indices, pad_to=pad)
 
@@ -353,21 +354,19 @@ class Trainer:
             f"non-finite loss ({loss}) or gradient norm ({total_norm}) at step {self.progress.step + 1}, {where}; "
             f"no update was applied; lower train.lr or set train.grad_clip, then resume from {self.checkpoint_dir}")
 
-    def _train_step(self, global_batch: list[int], timer: StepTimer) -> tuple[float, int]:
-        """One optimizer step on ``global_batch``; returns (mean loss over the global batch, my samples)."""
+    def _train_step(self, global_batch: list[int], timer: StepTimer) -> float:
+        """One optimizer step on ``global_batch``; returns the mean loss over the global batch."""
         # Dropout streams depend on (seed, step, rank) only, so a resumed run draws the same masks.
         torch.manual_seed(hash((self.config.seed, self.progress.step, self.env.rank)) % RNG_MODULUS)
         held = self.held
         layout = held.plan.layout
         self._loss_denominator = len(global_batch)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        my_samples = 0
         if held.stage is not None:
             assert held.replica is not None
             mine = ElasticSampler.split_for_replica(global_batch, layout.dp_width, held.replica)
             with timer.phase("data"):
                 batch = self._local_batch(mine)
-            my_samples = len(mine)
             if self.sample_log is not None and held.stage == 0:  # one record per replica
                 self.sample_log.write({"epoch": self.progress.epoch, "step": self.progress.step + 1, "indices": mine})
             if batch is not None and self.runner is None:
@@ -407,7 +406,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self._layer_norms = [math.sqrt(float(v)) for v in layer_sq]
         self.policy.observe(self._layer_norms)
-        return float(control[-1]), my_samples
+        return float(control[-1])
 
     def _block_grad_sq_norms(self, held: _Held) -> torch.Tensor:
         """Per block, the sum of squared gradient entries of its trainable parameters held here."""
@@ -504,7 +503,7 @@ class Trainer:
                             self._global_batch_size(self.held.plan.layout.dp_width))
                     if global_batch is None:
                         break
-                    loss, _ = self._train_step(global_batch, timer)
+                    loss = self._train_step(global_batch, timer)
                     self.progress.step += 1
                     self.progress.samples += len(global_batch)
                     self._log_step(loss, len(global_batch), timer.total(), timer, bar)
