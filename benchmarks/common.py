@@ -31,6 +31,7 @@ __all__ = [
     "VIT_FULL_TRAIN_SAMPLES",
     "TaskSpec",
     "TASKS",
+    "DISTURBED_LOAD",
     "RunResult",
     "LoadSampler",
     "interleaved_order",
@@ -59,6 +60,8 @@ BASELINE_MEMBERS = ("ddp", "no_freeze")
 """Family members that never freeze: quick runs leave their freeze settings alone."""
 NON_PHASE_SECONDS = ("step_s", "wall_s", "samples_per_s")
 """Step-record fields ending in ``_s`` that are no phase of the step."""
+DISTURBED_LOAD = 3.0
+"""Mean 1-minute load above the two workers' 2.0 plus one: other work shared the cores during a run."""
 LOAD_SAMPLE_PERIOD_S = 5.0
 LOG_TAIL_LINES = 15
 

@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
+    DISTURBED_LOAD,
     NPROC,
     REPO_ROOT,
     TASKS,
@@ -83,14 +84,35 @@ def _aggregate(results: list[RunResult]) -> dict[str, dict[str, Any]]:
 
 
 def _rows(table: dict[str, dict[str, Any]]) -> list[list[Any]]:
-    return [[f"`{v}`", row["runs"], fmt(row["final_accuracy"] and row["final_accuracy"] * PERCENT),
+    return [[f"`{v}`", (row := table[v])["runs"], fmt(row["final_accuracy"] and row["final_accuracy"] * PERCENT),
              fmt(row["best_accuracy"] and row["best_accuracy"] * PERCENT), fmt(row["wall_time_s"], 1),
              fmt(row["speedup_over_none"], 2, "x"), fmt(row["samples_per_s"], 1), row["freezes"],
-             fmt(row["load_mean"], 2)] for v, row in table.items()]
+             fmt(row["load_mean"], 2)] for v in VARIANTS if v in table]
 
 
 HEADER = ["policy", "runs", "final acc %", "best acc %", "wall s (median)", "vs none", "samples/s",
           "freezes (@step layers frozen)", "load avg"]
+
+
+def _disturbed(table: dict[str, dict[str, Any]]) -> list[str]:
+    runs = [f"`{v}` {r['load_mean']:.1f}" for v, r in table.items()
+            if r["load_mean"] is not None and r["load_mean"] > DISTURBED_LOAD]
+    if not runs:
+        return []
+    return [f"DISTURBED: mean load above {DISTURBED_LOAD} during {', '.join(runs)}: other work shared the 2 cores, "
+            "so these wall times are not trustworthy; rerun on a quiet machine.", ""]
+
+
+def _readme_section(quick: bool, repeats: int, machine: dict[str, Any], table: dict[str, dict[str, Any]]) -> None:
+    """This benchmark's section in benchmarks/README.md."""
+    body = ["## Freeze sweep (`benchmarks/freeze_sweep`)", "",
+            f"`.venv/bin/python benchmarks/freeze_sweep/main.py [--quick] [--repeats N]` "
+            f"({'quick' if quick else 'full'} run, {repeats} repeat(s), load at start "
+            f"{machine['load_average_at_start']}); details in [freeze_sweep/README.md](freeze_sweep/README.md).", "",
+            markdown_table(HEADER, _rows(table)), "", *_disturbed(table)]
+    replace_section(HERE.parent / "README.md", "freeze_sweep", "\n".join(body),
+                    "- [freeze_sweep](freeze_sweep/README.md): AutoFreeze policies, accuracy vs wall time "
+                    "(paper Fig. 10)")
 
 
 def _markdown(args: argparse.Namespace, table: dict[str, dict[str, Any]], machine: dict[str, Any]) -> str:
@@ -105,7 +127,7 @@ def _markdown(args: argparse.Namespace, table: dict[str, dict[str, Any]], machin
             f"Config `configs/{TASK.prefix}_{MEMBER}.yaml` + `--set checkpoint.enabled=false --set "
             f"run.progress=false`; quick overrides: `{quick}`; per variant: "
             + "; ".join(f"`{v}`: `{' '.join(o)}`" for v, o in VARIANTS.items()) + ".", "",
-            markdown_table(HEADER, _rows(table)), ""]
+            markdown_table(HEADER, _rows(table)), "", *_disturbed(table)]
     failures = [f"- `{v}`: {e}" for v, row in table.items() for e in row["errors"]]
     if failures:
         text += ["## Failed runs", "", *failures, ""]
@@ -134,14 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                {"quick": args.quick, "repeats": args.repeats, "machine": machine, "table": table,
                                 "runs": results})
     print(f"results: {md_path}", flush=True)
-    body = ["## Freeze sweep (`benchmarks/freeze_sweep`)", "",
-            f"`.venv/bin/python benchmarks/freeze_sweep/main.py [--quick] [--repeats N]` "
-            f"({'quick' if args.quick else 'full'} run, {args.repeats} repeat(s), load at start "
-            f"{machine['load_average_at_start']}); details in [freeze_sweep/README.md](freeze_sweep/README.md).", "",
-            markdown_table(HEADER, _rows(table))]
-    replace_section(HERE.parent / "README.md", "freeze_sweep", "\n".join(body),
-                    "- [freeze_sweep](freeze_sweep/README.md): AutoFreeze policies, accuracy vs wall time "
-                    "(paper Fig. 10)")
+    _readme_section(args.quick, args.repeats, machine, table)
     return 0
 
 

@@ -125,7 +125,7 @@ def _embedding_training_s(model: BlockSequence, pixels: torch.Tensor) -> float:
     it also times the patch convolution's input gradient; this shows how much that adds.
     """
     micro = pixels[: BATCH_SIZE // MICRO_BATCHES]
-    times = []
+    times: list[float] = []
     for run in range(PROFILE_WARMUP + PROFILE_REPEATS):
         start = time.perf_counter()
         (hidden,) = model.blocks[0](micro)
@@ -212,7 +212,7 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
             for _ in range(settings.warmup_steps):
                 pipeline.step()
             pipeline.times.clear()
-        loads = []
+        loads: list[float] = []
         for round_index in range(settings.rounds):
             shift = round_index % len(CONFIGURATIONS)
             for name in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:
@@ -220,7 +220,7 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
                     _timed(pipelines[name])
             loads.append(os.getloadavg()[0])
         # A step lasts until the slower rank finishes it.
-        slowest = {}
+        slowest: dict[str, list[float]] = {}
         for name, pipeline in pipelines.items():
             times = torch.tensor(pipeline.times, dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)

@@ -26,9 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
+    DISTURBED_LOAD,
     NPROC,
     REPO_ROOT,
     TASKS,
+    LoadSampler,
     RunResult,
     TaskSpec,
     fmt,
@@ -115,14 +117,19 @@ def _targets(table: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"- best accuracy {row['best_accuracy'] * PERCENT:.2f}% vs better baseline "
                      f"{best_base * PERCENT:.2f}% ({-gap:+.2f} points; target within {ACCURACY_TOLERANCE_POINTS}): "
                      f"{verdict}")
+    disturbed = [f"`{m}` {r['load_mean']:.1f}" for m, r in table.items()
+                 if r["load_mean"] is not None and r["load_mean"] > DISTURBED_LOAD]
+    if disturbed:
+        lines.append(f"- DISTURBED: mean load above {DISTURBED_LOAD} during {', '.join(disturbed)}: other work "
+                     "shared the 2 cores, so wall times and ratios are not trustworthy; rerun on a quiet machine")
     return lines
 
 
 def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
     phases = ("data_s", "forward_s", "backward_s", "forward_backward_s", "allreduce_s", "control_s", "optimizer_s")
     rows = []
-    for member, row in table.items():
-        for seg in row["breakdown"]:
+    for member in (m for m in FAMILY if m in table):
+        for seg in table[member]["breakdown"]:
             rows.append([member, f"{seg['frozen_layers']}f {seg['stages']}x{seg['dp_width']}", seg["logged_steps"],
                          fmt(seg["step_s"] * MS_PER_S, 0), fmt(seg["samples_per_s"], 1),
                          *[fmt(seg[p] * MS_PER_S, 0) if p in seg else "-" for p in phases],
@@ -135,7 +142,8 @@ def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
 def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[str, dict[str, Any]],
               machine: dict[str, Any], reference: list[dict[str, Any]], png: str | None) -> str:
     rows = []
-    for member, row in table.items():
+    for member in (m for m in FAMILY if m in table):
+        row = table[member]
         rows.append([f"`{member}`", row["runs"], fmt(row["final_accuracy"] and row["final_accuracy"] * PERCENT),
                      fmt(row["best_accuracy"] and row["best_accuracy"] * PERCENT),
                      fmt(row["wall_time_s"], 1), fmt(row["speedup_over_no_freeze"], 2, "x"),
@@ -164,9 +172,11 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
         text += ["## Failed runs", "", *failures, ""]
     if reference:
         text += ["## Plain-PyTorch reference (`reference_ddp.py`)", "",
-                 markdown_table(["mode", "padding", "global batch", "timed steps", "median ms/step", "samples/s"],
+                 markdown_table(["mode", "padding", "global batch", "timed steps", "median ms/step", "samples/s",
+                                 "load avg"],
                                 [[r["mode"], r["pad_to"], r["global_batch"], r["timed_steps"],
-                                  fmt(r["median_step_s"] * MS_PER_S, 0), fmt(r["samples_per_s"], 1)] for r in reference]),
+                                  fmt(r["median_step_s"] * MS_PER_S, 0), fmt(r["samples_per_s"], 1),
+                                  fmt(r.get("load_mean"), 2)] for r in reference]),
                  "", "Compare with the `ddp` row's samples/s (which also includes evaluation time).", ""]
     if png:
         text += [f"![{task}: all vs baselines]({png})", ""]
@@ -182,10 +192,10 @@ def _run_reference(runs_dir: Path) -> list[dict[str, Any]]:
                    str(HERE / "reference_ddp.py"), "--out", str(out), *(["--pad-to", str(pad_to)] if pad_to else [])]
         print(f"reference: {' '.join(command[2:])}", flush=True)
         log = runs_dir / f"reference-pad{pad_to or 'longest'}.log"
-        with log.open("w") as handle:
+        with LoadSampler() as load, log.open("w") as handle:
             completed = subprocess.run(command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, check=False)
         if completed.returncode == 0 and out.is_file():
-            results.append(json.loads(out.read_text()))
+            results.append({**json.loads(out.read_text()), "load_mean": median(load.samples)})
         else:
             print(f"  reference FAILED (exit {completed.returncode}); see {log}", flush=True)
     return results
@@ -244,11 +254,11 @@ def _readme_section(tasks: list[str]) -> None:
         payload = json.loads(results.read_text())
         table = payload["table"]
         rows = [[f"`{m}`", fmt(r["best_accuracy"] and r["best_accuracy"] * PERCENT), fmt(r["wall_time_s"], 1),
-                 fmt(r["speedup_over_no_freeze"], 2, "x"), fmt(r["speedup_over_ddp"], 2, "x")]
-                for m, r in table.items()]
+                 fmt(r["speedup_over_no_freeze"], 2, "x"), fmt(r["speedup_over_ddp"], 2, "x"), fmt(r["load_mean"], 2)]
+                for m in FAMILY if (r := table.get(m)) is not None]
         lines += [f"### {task} ({'quick' if payload['quick'] else 'full'}, {payload['repeats']} repeat(s), "
                   f"load at start {payload['machine']['load_average_at_start']})", "",
-                  markdown_table(["config", "best acc %", "wall s", "vs no_freeze", "vs ddp"], rows), "",
+                  markdown_table(["config", "best acc %", "wall s", "vs no_freeze", "vs ddp", "load avg"], rows), "",
                   *_targets(table), ""]
     replace_section(HERE.parent / "README.md", "speedup", "\n".join(lines),
                     "- [speedup](speedup/README.md): end-to-end speed-up over the baselines (paper Table 1 / Fig. 9)")
