@@ -32,9 +32,10 @@ def _tensor_bytes(tensors: Activation) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _with_input_grads(activation: Activation) -> Activation:
-    """Fresh leaves so backward stops at the block's input, computing its gradient as a pipeline stage must."""
-    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in activation)
+def _with_input_grads(activation: Activation, needs_input_grad: bool) -> Activation:
+    """Fresh leaves so backward stops at the block's input, computing its gradient as a pipeline stage must;
+    the model's own inputs (block 0) never need one, so training does not compute it and neither do we."""
+    return tuple(t.detach().requires_grad_(needs_input_grad and t.is_floating_point()) for t in activation)
 
 
 class _SavedBytes:
@@ -68,7 +69,7 @@ def _timed(run: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
 
 
 def _profile_block(
-    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int
+    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int, needs_input_grad: bool
 ) -> tuple[BlockCost, Activation]:
     """Each run is one forward and one backward, timed apart; the first run also records saved tensors
     (it is a warm-up run unless ``warmup`` is 0)."""
@@ -77,7 +78,7 @@ def _profile_block(
     forward_times, backward_times = [], []
     output: Activation = ()
     for run in range(warmup + repeats):
-        inputs = _with_input_grads(activation)
+        inputs = _with_input_grads(activation, needs_input_grad)
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack) if run == 0 else nullcontext()
         with hooks:
             output, forward_s = _timed(lambda: as_activation(block(*inputs)), device)
@@ -128,8 +129,9 @@ def profile_blocks(
     costs = []
     activation: Activation = tuple(example_inputs)
     with _training_everything(model):
-        for block in model.blocks:
-            cost, activation = _profile_block(block, activation, batch_size, warmup, repeats)
+        for index, block in enumerate(model.blocks):
+            cost, activation = _profile_block(block, activation, batch_size, warmup, repeats,
+                                              needs_input_grad=index > 0)
             costs.append(cost)
     return costs
 
