@@ -34,7 +34,7 @@ from .data.sampler import ElasticSampler
 from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
-from .freeze import freeze_blocks, frozen_blocks, frozen_prefix_layers, make_policy
+from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, make_policy
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
@@ -408,16 +408,6 @@ class Trainer:
         self.policy.observe(self._layer_norms)
         return float(control[-1])
 
-    def _block_grad_sq_norms(self, held: _Held) -> torch.Tensor:
-        """Per block, the sum of squared gradient entries of its trainable parameters held here."""
-        norms = torch.zeros(self.num_blocks, dtype=torch.float64)
-        start, end = held.blocks
-        for index in range(start, end):
-            grads = [p.grad for p in self.model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
-            if grads:
-                norms[index] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
-        return norms
-
     def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> torch.Tensor:
         """[per-layer grad sq norms..., total grad sq norm, stop requests, loss]: summed over the world, so every rank
         (idle ones too) decides the same. Gradients count from replica 0 only (replicas hold equal ones
@@ -426,7 +416,7 @@ class Trainer:
         vector = torch.zeros(layers + 3, dtype=torch.float64)
         vector[-2] = float(self._stop_requested)
         if held.replica == 0:
-            blocks = self._block_grad_sq_norms(held)
+            blocks = block_grad_sq_norms(self.model, range(*held.blocks))
             vector[:layers] = blocks[1:layers + 1]
             vector[layers] = blocks.sum()
         if held.stage is not None and held.stage == held.plan.layout.num_stages - 1:

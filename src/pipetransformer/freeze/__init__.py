@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetransformer.freeze.apply import freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.freeze.apply import block_grad_sq_norms, freeze_blocks, is_pinned_eval, layer_grad_sq_norms
 from pipetransformer.freeze.policies import (
     FreezeDecision,
     FreezePolicy,
@@ -13,6 +13,7 @@ from pipetransformer.freeze.policies import (
 )
 
 __all__ = [
+    "block_grad_sq_norms",
     "FreezeDecision",
     "FreezePolicy",
     "freeze_blocks",

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
+__all__ = ["block_grad_sq_norms", "freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
 
 
 class _PinnedEval:
@@ -77,6 +77,18 @@ def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int])
         group["params"] = kept
 
 
+def block_grad_sq_norms(model: BlockSequence, blocks: range | None = None) -> torch.Tensor:
+    """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
+    0 for blocks outside ``blocks``, frozen ones, or ones without gradients)."""
+    norms = torch.zeros(len(model), dtype=torch.float64)
+    with torch.no_grad():
+        for index in blocks if blocks is not None else range(len(model)):
+            grads = [p.grad for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
+            if grads:
+                norms[index] = sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads)
+    return norms
+
+
 def layer_grad_sq_norms(model: BlockSequence) -> torch.Tensor:
     """Per transformer layer, the sum of its squared gradient entries (``[L]`` float64; 0 when frozen or absent).
 
@@ -84,10 +96,4 @@ def layer_grad_sq_norms(model: BlockSequence) -> torch.Tensor:
     after. Sum over the stages of one data-parallel replica only: after gradient synchronisation every
     replica holds the same gradients, and summing them too would scale the result by the width.
     """
-    norms = torch.zeros(model.num_layers, dtype=torch.float64)
-    with torch.no_grad():
-        for layer in range(model.num_layers):
-            for parameter in model.blocks[layer + 1].parameters():
-                if parameter.requires_grad and parameter.grad is not None:
-                    norms[layer] += parameter.grad.detach().to(torch.float64).square().sum()
-    return norms
+    return block_grad_sq_norms(model)[1:-1]
