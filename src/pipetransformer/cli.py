@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from datetime import datetime
@@ -120,12 +121,24 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
             if message is not None:
                 print(f"error: {message}", file=sys.stderr)
                 return EXIT_USER_ERROR
-            print(f"error: training failed ({error.__class__.__name__}); the worker's message is above",
-                  file=sys.stderr)
+            print(f"error: {_describe_failures(error)}; the workers' messages are above", file=sys.stderr)
             return EXIT_WORKER_FAILED
         finally:
             del os.environ[ERROR_DIR_ENV]
     return 0
+
+
+def _describe_failures(error: Exception) -> str:
+    """Which workers failed and how. torchrun answers one failure by SIGTERMing the rest; naming those
+    too would hide the one that died (a SIGKILL from the OOM killer reads differently from an exception)."""
+    failures = getattr(error, "failures", None)  # ChildFailedError: global rank -> ProcessFailure
+    if not failures:
+        return f"training failed ({error.__class__.__name__})"
+    causes = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    described = [f"rank {rank} " + (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+                                    else f"exited with code {failure.exitcode}")
+                 for rank, failure in sorted(causes.items())]
+    return "training failed: worker " + ", ".join(described)
 
 
 def _train(args: argparse.Namespace) -> int:

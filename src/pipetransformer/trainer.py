@@ -34,6 +34,7 @@ from .data.sampler import ElasticSampler
 from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
+from .faults import maybe_fail
 from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, make_policy
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
@@ -138,7 +139,8 @@ class Trainer:
         self._allreduce_bytes = 0
         self._layer_norms: list[float] = []
         self._started = time.perf_counter()
-        self._stop_requested = False
+        self._sigterm_received = False  # this rank, set by the signal handler at any moment
+        self._stop_requested = False  # agreed by all ranks through the control vector, so all stop at one step
         if self.env.is_main:  # only once set-up succeeded: a bad config never overwrites a run's record
             (self.run_dir / "config.yaml").write_text(_dump_yaml(config_to_dict(config)))
 
@@ -231,6 +233,7 @@ class Trainer:
             transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
                 _Bounds(previous.plan.held_bounds()), previous.plan.layout, _Bounds(bounds), layout)]
             moved = len(transfers)
+            maybe_fail("handover", rank)
             received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer, rank)
         self._destroy_groups()
         self.pipe_group = new_groups(layout.all_pipeline_groups(), rank) if self.env.distributed else None
@@ -414,7 +417,7 @@ class Trainer:
         after sync); the loss from every last stage."""
         layers = self.model.num_layers
         vector = torch.zeros(layers + 3, dtype=torch.float64)
-        vector[-2] = float(self._stop_requested)
+        vector[-2] = float(self._sigterm_received)
         if held.replica == 0:
             blocks = block_grad_sq_norms(self.model, range(*held.blocks))
             vector[:layers] = blocks[1:layers + 1]
@@ -529,8 +532,13 @@ class Trainer:
         return left == 0 or (self.sampler.drop_last and left < self._global_batch_size(self.held.plan.layout.dp_width))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Checkpoint at the next step boundary (all ranks agree through the control vector), then stop."""
-        self._stop_requested = True
+        """Checkpoint at the next step boundary, then stop.
+
+        Only a request: the ranks agree on the step through the next control vector. Acting on it here
+        directly would let a signal that lands between a step's control all-reduce and the stop check
+        stop this rank one step before the others, which then wait for it until the timeout.
+        """
+        self._sigterm_received = True
 
     def _finish(self, started: float) -> dict[str, Any]:
         summary = self._summary(time.perf_counter() - started)

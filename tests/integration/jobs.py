@@ -18,15 +18,21 @@ JOB_TIMEOUT_S = 600
 POLL_S = 0.02
 
 
-def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_ok: bool = True,
-            extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """``pipetransformer train`` as a user runs it; ``run_dir`` gets summary, metrics, model."""
+def _train_command(config: str, run_dir: Path, overrides: tuple[str, ...], nproc: int,
+                   extra_args: tuple[str, ...]) -> list[str]:
     command = [sys.executable, "-m", "pipetransformer.cli", "train", str(ROOT / "configs" / config),
                "--nproc-per-node", str(nproc), "--set", f"run.dir={run_dir}", *extra_args]
     for item in overrides:
         command += ["--set", item]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    return command
+
+
+def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_ok: bool = True,
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``pipetransformer train`` as a user runs it; ``run_dir`` gets summary, metrics, model."""
+    result = subprocess.run(_train_command(config, run_dir, overrides, nproc, extra_args), cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+                            capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     if expect_ok and result.returncode != 0:
         raise AssertionError(f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
@@ -35,12 +41,9 @@ def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_
 def start_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1,
               extra_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     """Like :func:`run_job`, in the background (for tests that signal or kill its workers)."""
-    command = [sys.executable, "-m", "pipetransformer.cli", "train", str(ROOT / "configs" / config),
-               "--nproc-per-node", str(nproc), "--set", f"run.dir={run_dir}", *extra_args]
-    for item in overrides:
-        command += ["--set", item]
-    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(_train_command(config, run_dir, overrides, nproc, extra_args), cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -106,15 +109,34 @@ def seen_samples(run_dir: Path) -> dict[int, list[int]]:
     return seen
 
 
+def without_key_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with attention key biases (and their optimizer state) zeroed.
+
+    Their gradients are analytically zero (softmax ignores a per-query constant), so what they get is
+    float noise of the reduction order, which Adam normalises into steps up to the learning rate
+    (FINDINGS). Two runs that differ only in how many processes summed the gradients agree on
+    everything else; on these entries they cannot.
+    """
+    masked = dict(state)
+    for name, tensor in state.items():
+        if ".qkv.bias" in name and tensor.dim() == 1:  # built-in ViT: fused [query | key | value] projection
+            width = tensor.shape[0] // 3
+            masked[name] = tensor.clone()
+            masked[name][width:2 * width] = 0
+        elif ".key.bias" in name:  # Hugging Face encoders
+            masked[name] = torch.zeros_like(tensor)
+    return masked
+
+
 def assert_close_states(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float,
                         atol: float) -> None:
-    """Every tensor equal within ``rtol`` of the largest value of its kind (weights, each optimizer state).
+    """Every tensor but the attention key biases equal within ``rtol`` of the largest value of its kind.
 
-    Not per tensor: attention key biases get analytically zero gradients, so their updates are pure
-    float noise that Adam normalises up to full steps (FINDINGS); relative to their own size they
-    differ, relative to the model's scale they agree.
+    Relative to the largest value of its kind (weights, each optimizer state), not per tensor: a tensor
+    of near-zero values can differ by float noise that is large relative to itself.
     """
     assert actual.keys() == expected.keys(), sorted(set(actual) ^ set(expected))[:10]
+    actual, expected = without_key_biases(actual), without_key_biases(expected)
 
     def kind(name: str) -> str:
         suffix = name.rsplit(".", 1)[-1]

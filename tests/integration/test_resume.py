@@ -8,6 +8,7 @@ sample of every epoch exactly once.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from jobs import (JOB_TIMEOUT_S, assert_close_states, optimizer_state, run_job, seen_samples, signal_worker_after,
                   start_job, summary, weights)
+from pipetransformer.faults import FAULT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +82,39 @@ def test_non_finite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path: Pat
     assert last.startswith("error: non-finite loss") and "at step" in last, last
     assert "Traceback" not in result.stderr
     assert any((tmp_path / "checkpoints").glob("step-*")), "the last good checkpoint is gone"
+
+
+ELASTIC = ("run.save_model=true", "run.record_samples=true", "data.max_train_samples=96", "freeze.enabled=true",
+           "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[3,2]]", "pipe.enabled=true",
+           "dp.enabled=true", "pipe.device_memory_gb=0.008", "checkpoint.every_steps=2", "dist.timeout_s=120")
+HANDOVER_FAULT = {FAULT_ENV: "handover:1"}
+
+
+def test_worker_dying_in_a_handover_fails_fast_then_restart_resumes_exactly(tmp_path: Path) -> None:
+    """Rank 1 dies as the 2x1 -> 1x2 handover at step 3 starts; rank 0 waits for its blocks.
+
+    Without restarts: a non-zero exit long before the collective timeout, saying which worker died. With
+    one restart: resumed from the step-2 checkpoint, the handover redone, bit-identical to no fault.
+    """
+    reference = tmp_path / "reference"
+    run_job(VIT, reference, *ELASTIC, nproc=2)
+    assert [h["step"] for h in summary(reference)["layout_history"]] == [0, 3]
+
+    failed = tmp_path / "failed"
+    started = time.monotonic()
+    result = run_job(VIT, failed, *ELASTIC, nproc=2, expect_ok=False, env=HANDOVER_FAULT)
+    assert result.returncode != 0 and time.monotonic() - started < 120, "waited for the collective timeout"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training failed: worker rank 1 killed by SIGKILL"), result.stderr[-3000:]
+
+    restarted = tmp_path / "restarted"
+    run_job(VIT, restarted, *ELASTIC, nproc=2, extra_args=("--max-restarts", "1"), env=HANDOVER_FAULT)
+    assert summary(restarted)["restarts"] == 1
+    layouts = [(h["step"], h["stages"], h["dp_width"]) for h in summary(restarted)["layout_history"]]
+    assert layouts == [(0, 2, 1), (2, 2, 1), (3, 1, 2)], "expected: start, resume at step 2, handover at step 3"
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(restarted)[name], tensor), f"{name} differs after the restart"
+    for name, tensor in optimizer_state(reference).items():
+        assert torch.equal(optimizer_state(restarted)[name], tensor), f"{name} differs after the restart"
+    for epoch, indices in seen_samples(restarted).items():
+        assert sorted(indices) == list(range(96)), f"epoch {epoch}: not every sample exactly once"
