@@ -53,6 +53,7 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
                    for n, c, s in zip(names, costs, states, strict=True)],
         **plan.describe(),
         "stage_ms": [t * 1e3 for t in plan.partition.stage_times],
+        "stage_ms_samples": plan.partition.micro_batch_size,  # stage_ms and memory are for this many samples
         "stage_memory_bytes": plan.partition.stage_memories,
         "bubble_fraction": bubble_fraction(plan.layout.num_stages, plan.micro_batches),
         "predicted_step_s": predict_step_time(plan.partition, per_replica, plan.micro_batches,
@@ -74,7 +75,8 @@ def plan_command(config: Config, world_size: int, as_json: bool) -> int:
           f"{report['micro_batches']} micro-batch(es)")
     for i, ((start, end), ms, mem) in enumerate(zip(report["bounds"], report["stage_ms"],
                                                     report["stage_memory_bytes"], strict=True)):
-        print(f"  stage {i}: blocks {start}..{end - 1}  {ms:.1f} ms/micro-batch  {mem / 1e6:.1f} MB")
+        print(f"  stage {i}: blocks {start}..{end - 1}  {ms:.1f} ms per {report['stage_ms_samples']} samples  "
+              f"{mem / 1e6:.1f} MB")
     bubble = report["bubble_fraction"]
     print(f"bubble {bubble:.1%}, predicted step {report['predicted_step_s'] * 1e3:.0f} ms"
           + ("" if math.isfinite(report["predicted_step_s"]) else " (unbounded)"))

@@ -170,9 +170,10 @@ def test_layer_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent()
         for layer in range(NUM_LAYERS)
     ]
     norms = layer_grad_sq_norms(model)
+    # Per-tensor norms in float32 (as clip_grad_norm_), summed in float64: float32 precision.
     assert norms.dtype == torch.float64 and norms.shape == (NUM_LAYERS,)
-    assert norms.tolist() == pytest.approx(expected, rel=1e-12)
+    assert norms.tolist() == pytest.approx(expected, rel=1e-5)
     assert all(value > 0 for value in expected)
     freeze_blocks(model, frozen_blocks({0}, NUM_LAYERS), None)
     model.blocks[3].zero_grad(set_to_none=True)
-    assert layer_grad_sq_norms(model).tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-12)
+    assert layer_grad_sq_norms(model).tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-5)

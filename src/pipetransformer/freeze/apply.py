@@ -79,13 +79,18 @@ def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int])
 
 def block_grad_sq_norms(model: BlockSequence, blocks: range | None = None) -> torch.Tensor:
     """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
-    0 for blocks outside ``blocks``, frozen ones, or ones without gradients)."""
+    0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
+
+    Each tensor's norm in its own dtype (as ``clip_grad_norm_`` does), summed over tensors in float64:
+    converting every gradient to float64 first cost ~80 ms per MiniLM step on one core, against ~12 ms,
+    for a difference in the 4th significant digit that neither clipping nor the freeze ratios can see.
+    """
     norms = torch.zeros(len(model), dtype=torch.float64)
     with torch.no_grad():
         for index in blocks if blocks is not None else range(len(model)):
             grads = [p.grad for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
             if grads:
-                norms[index] = sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads)
+                norms[index] = sum(torch.linalg.vector_norm(g).double().square() for g in grads)
     return norms
 
 

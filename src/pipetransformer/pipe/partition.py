@@ -198,7 +198,7 @@ def compress(
     memory_budget_bytes: float,
     link: Link,
     optimizer_state_factor: int = ADAMW_STATE_FACTOR,
-    in_flight_micro_batches: int = 1,
+    in_flight_micro_batches: int | Callable[[int], int] = 1,
 ) -> Partition:
     """The partition with the fewest stages that divides ``world_size`` and fits the budget.
 
@@ -206,7 +206,7 @@ def compress(
     messages is the cheaper way to use them; one stage means pure data parallelism. For a given
     stage count the partition is already the fastest, so ties between plans cannot remain.
     ``micro_batch_size`` may depend on the stage count (a function of it): with more replicas each
-    one's batch, and so its activation memory, shrinks.
+    one's batch, and so its activation memory, shrinks; so may ``in_flight_micro_batches`` (1F1B).
     """
     validate_states(costs, states)
     counts = [k for k in valid_stage_counts(world_size) if k <= max(1, len(costs) - _cached_prefix(states))]
@@ -220,7 +220,8 @@ def compress(
             memory_budget_bytes=memory_budget_bytes,
             link=link,
             optimizer_state_factor=optimizer_state_factor,
-            in_flight_micro_batches=in_flight_micro_batches,
+            in_flight_micro_batches=in_flight_micro_batches(num_stages) if callable(in_flight_micro_batches)
+            else in_flight_micro_batches,
         )
 
     for num_stages in counts[:-1]:

@@ -79,22 +79,35 @@ def plan_layout(config: Config, costs: list[BlockCost], world_size: int, *, froz
         return dp_width
 
     def replica_batch(stages: int) -> int:
-        # GPipe keeps every micro-batch's activations until backward: memory is checked for the
-        # replica's whole batch, which also bounds 1F1B.
         width = width_for(stages)
         return max(1, (global_batch(width) if global_batch else config.train.batch_size) // width)
 
+    def held_activations(stages: int) -> tuple[int, int]:
+        """(micro-batch size, micro-batches in flight) a stage holds activations for before their backward.
+
+        The replica's whole batch without a pipeline, with GPipe, and while the micro-batch count is still
+        to be chosen ("auto"); with 1F1B and a fixed count M, stage 0 holds min(stages, M) micro-batches,
+        which is what lets a pipeline fit where data parallelism's whole batches do not.
+        """
+        batch = replica_batch(stages)
+        if stages == 1 or config.pipe.schedule != "1f1b" or config.pipe.micro_batches == "auto":
+            return batch, 1
+        micro_batches = int(config.pipe.micro_batches)
+        return -(-batch // micro_batches), min(stages, micro_batches)
+
     def attempt(stages: int) -> Partition:
-        return partition(costs, states, stages, micro_batch_size=replica_batch(stages), memory_budget_bytes=budget,
-                         link=link)
+        size, in_flight = held_activations(stages)
+        return partition(costs, states, stages, micro_batch_size=size, memory_budget_bytes=budget, link=link,
+                         in_flight_micro_batches=in_flight)
 
     if not config.pipe.enabled:
         stages, part = 1, attempt(1)
     elif config.pipe.stages == "auto":
         ranks = world_size if (config.dp.enabled or dp_width is None) else world_size // dp_width
         try:
-            part = compress(costs, states, ranks, micro_batch_size=replica_batch, memory_budget_bytes=budget,
-                            link=link)
+            part = compress(costs, states, ranks, micro_batch_size=lambda k: held_activations(k)[0],
+                            memory_budget_bytes=budget, link=link,
+                            in_flight_micro_batches=lambda k: held_activations(k)[1])
         except PartitionError as error:
             raise PartitionError(f"pipe.device_memory_gb={config.pipe.device_memory_gb} is too small for "
                                  f"{ranks} workers: {error}") from None

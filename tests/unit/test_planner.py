@@ -1,0 +1,40 @@
+"""The layout planner: which memory a stage is checked against, per schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipetransformer.config import load_config
+from pipetransformer.pipe.cost import BlockCost
+from pipetransformer.pipe.partition import PartitionError
+from pipetransformer.pipe.planner import plan_layout
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
+BATCH = 32
+# 8 blocks whose activations (1 MB per sample) dwarf their parameters (1 KB): memory grows with the samples held.
+COSTS = [BlockCost(forward_s=1e-3, backward_s=2e-3, output_bytes=1_000, param_bytes=1_000,
+                   activation_bytes=1_000_000)] * 8
+# Between one stage holding its replica's 16 samples (8 blocks x 16 MB) and a 1F1B stage holding 2 micro-batches
+# of 4 samples (4 blocks x 8 MB), and below a GPipe stage holding its whole 32 samples (4 blocks x 32 MB).
+BUDGET_GB = 0.1
+
+
+def _plan(schedule: str, micro_batches: str, frozen_blocks: int = 0) -> tuple[int, int]:
+    config = load_config(CONFIG, [f"train.batch_size={BATCH}", "pipe.enabled=true", "dp.enabled=true",
+                                  f"pipe.device_memory_gb={BUDGET_GB}", f"pipe.schedule={schedule}",
+                                  f"pipe.micro_batches={micro_batches}"])
+    plan = plan_layout(config, COSTS, 2, frozen_blocks=frozen_blocks, cached_blocks=0)
+    return plan.layout.num_stages, plan.layout.dp_width
+
+
+def test_1f1b_with_fixed_micro_batches_fits_a_pipeline_where_whole_batches_do_not() -> None:
+    assert _plan("1f1b", "8") == (2, 1)
+    assert _plan("1f1b", "8", frozen_blocks=3) == (1, 2), "once frozen blocks hold no activations, compress"
+
+
+@pytest.mark.parametrize(("schedule", "micro_batches"), [("gpipe", "8"), ("1f1b", "auto")])
+def test_gpipe_or_an_unchosen_count_is_checked_for_the_whole_batch(schedule: str, micro_batches: str) -> None:
+    with pytest.raises(PartitionError, match="too small"):
+        _plan(schedule, micro_batches)
