@@ -31,7 +31,7 @@ def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``params`` (torch's multi-tensor kernels: same math per element, fewer launches)."""
+    """AdamW or SGD over ``params`` with torch's default kernels (per-tensor loop on CPU, multi-tensor on CUDA)."""
     params = list(params)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
