@@ -53,7 +53,7 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
                    for n, c, s in zip(names, costs, states, strict=True)],
         **plan.describe(),
         "stage_ms": [t * 1e3 for t in plan.partition.stage_times],
-        "stage_ms_samples": plan.partition.micro_batch_size,  # stage_ms and memory are for this many samples
+        "stage_ms_samples": plan.partition.micro_batch_size,  # stage_ms is per this many samples
         "stage_memory_bytes": plan.partition.stage_memories,
         "bubble_fraction": bubble_fraction(plan.layout.num_stages, plan.micro_batches),
         "predicted_step_s": predict_step_time(plan.partition, per_replica, plan.micro_batches,
