@@ -294,6 +294,15 @@ def test_bubble_and_step_prediction() -> None:
     assert predict_step_time(plan, 8, 4, 0.5) == pytest.approx(5 * 12.5)
 
 
+def test_step_prediction_fills_and_drains_at_each_stage_pace() -> None:
+    costs = [BlockCost(forward_s=f, backward_s=2 * f, output_bytes=0, param_bytes=0, activation_bytes=0)
+             for f in (3.0, 1.0, 1.0)]
+    plan = partition(costs, [A] * 3, 2, micro_batch_size=1, memory_budget_bytes=HUGE_BUDGET, link=FREE_LINK)
+    assert plan.bounds == [(0, 1), (1, 3)]
+    # stages of 9 and 6 s per sample, 4 micro-batches of 1: 9 + 6 fill and drain, then 3 beats of 9
+    assert predict_step_time(plan, 4, 4, 0.0) == pytest.approx(9 + 6 + 3 * 9)
+
+
 def test_one_stage_means_one_micro_batch() -> None:
     plan = partition(uniform(4), [A] * 4, 1, micro_batch_size=16, memory_budget_bytes=HUGE_BUDGET, link=FREE_LINK)
     choice = choose_micro_batches(plan, 16, per_microbatch_overhead_s=0.01)
