@@ -30,11 +30,17 @@ def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
     return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+"""Where torch has a fused AdamW kernel. On CPU torch's default is a per-tensor loop: for MiniLM-L6 one step
+took 91 ms on one thread against 12 ms fused (benchmarks/optimizer)."""
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``params`` with torch's default kernels (per-tensor loop on CPU, multi-tensor on CUDA)."""
+    """AdamW (fused where torch has the kernel) or SGD over ``params``."""
     params = list(params)
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        fused = all(p.device.type in FUSED_ADAMW_DEVICES for p in params)
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
