@@ -51,7 +51,7 @@ class Partition:
     """Contiguous stages over blocks ``first_block .. num_blocks-1``; blocks before are cached.
 
     ``stage_times`` and ``stage_memories`` are for ``micro_batch_size``; ``stage_timings`` lets the
-    times be re-evaluated for another micro-batch size (see :meth:`bottleneck_at`).
+    times be re-evaluated for another micro-batch size (see :func:`predict_step_time`).
     """
 
     bounds: list[tuple[int, int]]
@@ -74,9 +74,6 @@ class Partition:
     def bottleneck(self) -> float:
         """Seconds the slowest stage needs per micro-batch: the pipeline's beat."""
         return max(self.stage_times)
-
-    def bottleneck_at(self, micro_batch_size: int) -> float:
-        return max(timing.at(micro_batch_size) for timing in self.stage_timings)
 
     def stage_of(self, block: int) -> int | None:
         """The stage running ``block``, or None for a cached block."""
