@@ -84,7 +84,7 @@ class TrainConfig:
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
     warmup_fraction: float = 0.06  # of the total steps
     grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
-    eval_every_steps: int | None = None  # null = evaluate at every epoch end
+    eval_every_steps: int | None = None  # null = at every epoch end; N = every N steps (not at epoch ends)
     eval_batch_size: int = 128  # evaluation is sharded over every worker
     drop_last: bool = False  # drop an epoch's short last batch instead of training on it
 

@@ -123,6 +123,7 @@ class Trainer:
             self._restore(resumed)
         self.costs = self._block_costs()
         self.cache: FrozenPrefixCache | None = None
+        self.eval_cache: FrozenPrefixCache | None = None
         self.store: ActivationStore | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.held = self._adopt(self._plan(), previous=None)
@@ -299,8 +300,9 @@ class Trainer:
         spec = spec_from_activation(activation, pad_to=pad)
         disk_dir = self.config.cache.dir or str(self.run_dir / "cache")
         memory_bytes = int(self.config.cache.memory_gb * 1e9)
-        if self.env.is_local_leader:
-            store = ActivationStore.create(len(self.train_set), spec, memory_bytes, disk_dir=disk_dir)
+        if self.env.is_local_leader:  # keys: training samples, then evaluation samples
+            store = ActivationStore.create(len(self.train_set) + len(self.eval_set), spec, memory_bytes,
+                                           disk_dir=disk_dir)
             layout_json = _layout_to_json(store.layout)
         else:
             store, layout_json = None, ""
@@ -314,6 +316,7 @@ class Trainer:
             store.unlink_names()
         self.store = store
         self.cache = FrozenPrefixCache(store)
+        self.eval_cache = FrozenPrefixCache(store)  # its own hit counters: training's hit rate stays training's
 
     def _broadcast_from_local_leader(self, value: str) -> str:
         if not self.env.distributed:
@@ -451,16 +454,29 @@ class Trainer:
         correct = torch.zeros(2, dtype=torch.float64)
         indices = list(range(self.env.rank, len(self.eval_set), self.env.world_size))
         size = self.config.train.eval_batch_size
-        with torch.no_grad():
-            for start in range(0, len(indices), size):
-                batch = self.eval_set.get_batch(indices[start:start + size])
-                logits = self.model(*(t.to(self.env.device) for t in batch.inputs))
-                correct[0] += (logits.argmax(-1).cpu() == batch.labels).sum().item()
-                correct[1] += len(batch)
+        for start in range(0, len(indices), size):
+            batch = self.eval_set.get_batch(indices[start:start + size])
+            correct[0] += (self.eval_logits(batch).argmax(-1).cpu() == batch.labels).sum().item()
+            correct[1] += len(batch)
         self.model.train()
         if self.env.distributed:
             dist.all_reduce(correct)
         return float(correct[0] / correct[1])
+
+    @torch.no_grad()
+    def eval_logits(self, batch: Batch, use_cache: bool = True) -> torch.Tensor:
+        """Logits of an evaluation batch from this rank's full model (call in eval mode).
+
+        An evaluation sample's frozen-prefix output is as fixed as a training sample's, so with the cache on
+        it comes from the same store (keys after the training samples'). Every evaluation runs the same
+        shards in the same batches, so what the cache serves equals a plain forward bit for bit.
+        """
+        activation = tuple(t.to(self.env.device) for t in batch.inputs)
+        boundary = self.held.plan.cached_blocks if use_cache and self.eval_cache is not None else 0
+        if boundary and self.eval_cache is not None:
+            activation = self.eval_cache.activation_at_boundary(self.model, activation,
+                                                                batch.indices + len(self.train_set), boundary)
+        return self.model.forward_range(activation, boundary, self.num_blocks)[0]
 
     def _record_eval(self, started: float) -> None:
         accuracy = self.evaluate()
@@ -513,13 +529,15 @@ class Trainer:
                     if self._stop_requested:
                         logger.warning("SIGTERM: checkpoint written at step %d, stopping", self.progress.step)
                         return self._finish(started)
-                if not self.progress.eval_history or self.progress.eval_history[-1]["step"] != self.progress.step:
+                if not cfg.eval_every_steps:
                     self._record_eval(started)
                 decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
                 if decision is not None and not done:
                     self._apply_decision(decision)
                 self.progress.epoch_done = True
                 self.save_checkpoint(started)
+            if not self.progress.eval_history or self.progress.eval_history[-1]["step"] != self.progress.step:
+                self._record_eval(started)  # the final model, whatever eval_every_steps is
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
