@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.config import load_config
+
 __all__ = [
     "REPO_ROOT",
     "CONFIG_DIR",
@@ -115,7 +117,6 @@ class TaskSpec:
 
     prefix: str
     full_train_samples: int
-    freeze_interval: int  # the family's freeze.interval (steps) at full size
     quick_train_samples: int
     quick_eval_samples: int
     quick_epochs: int
@@ -128,7 +129,8 @@ class TaskSpec:
         overrides = [f"data.max_train_samples={self.quick_train_samples}",
                      f"data.max_eval_samples={self.quick_eval_samples}", f"train.epochs={self.quick_epochs}"]
         if member not in BASELINE_MEMBERS:
-            interval = scaled_interval(self.freeze_interval, self.full_train_samples, self.quick_train_samples)
+            full_interval = load_config(self.config(member)).freeze.interval  # steps, at full size
+            interval = scaled_interval(full_interval, self.full_train_samples, self.quick_train_samples)
             overrides.append(f"freeze.interval={interval}")
         return overrides
 
@@ -151,9 +153,9 @@ def scaled_interval(interval: int, full_samples: int, quick_samples: int) -> int
 TASKS = {
     # Quick sizes keep one task's whole speed-up family within ~15 minutes on 2 cores; the static 2-stage
     # pipeline baseline is the slow member (~2.4 s per text step with 8 micro-batches).
-    "text": TaskSpec("text_minilm", TEXT_FULL_TRAIN_SAMPLES, 100, quick_train_samples=1000,
+    "text": TaskSpec("text_minilm", TEXT_FULL_TRAIN_SAMPLES, quick_train_samples=1000,
                      quick_eval_samples=500, quick_epochs=3),
-    "vit": TaskSpec("vit_fashion", VIT_FULL_TRAIN_SAMPLES, 150, quick_train_samples=8000,
+    "vit": TaskSpec("vit_fashion", VIT_FULL_TRAIN_SAMPLES, quick_train_samples=8000,
                     quick_eval_samples=2000, quick_epochs=3),
 }
 
