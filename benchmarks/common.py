@@ -125,13 +125,16 @@ class TaskSpec:
         return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
 
     def quick_overrides(self, member: str) -> list[str]:
-        """A data subset; freeze decisions scaled down with it so freezing still starts in the first epoch."""
+        """A data subset; freeze decisions and evaluations scaled down with it, as often per epoch as at full size."""
         overrides = [f"data.max_train_samples={self.quick_train_samples}",
                      f"data.max_eval_samples={self.quick_eval_samples}", f"train.epochs={self.quick_epochs}"]
+        config = load_config(self.config(member))  # intervals in steps, at full size
         if member not in BASELINE_MEMBERS:
-            full_interval = load_config(self.config(member)).freeze.interval  # steps, at full size
-            interval = scaled_interval(full_interval, self.full_train_samples, self.quick_train_samples)
+            interval = scaled_interval(config.freeze.interval, self.full_train_samples, self.quick_train_samples)
             overrides.append(f"freeze.interval={interval}")
+        if config.train.eval_every_steps:  # as many evaluations per epoch as the full run, for every member
+            every = scaled_interval(config.train.eval_every_steps, self.full_train_samples, self.quick_train_samples)
+            overrides.append(f"train.eval_every_steps={every}")
         return overrides
 
 
@@ -146,7 +149,7 @@ def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, str
 
 
 def scaled_interval(interval: int, full_samples: int, quick_samples: int) -> int:
-    """A freeze interval in steps scaled to a smaller training set, so decisions come as often per epoch."""
+    """An interval in steps scaled to a smaller training set, so what it paces comes as often per epoch."""
     return max(1, round(interval * quick_samples / full_samples))
 
 
