@@ -33,8 +33,8 @@ def test_cached_evaluation_equals_a_plain_forward_and_hits_the_second_time(tmp_p
         assert after.hits - before.hits == len(batch), "the evaluation batch was not served from the cache"
         assert after.computed == before.computed
         assert torch.equal(cached, plain)
-        training = trainer.cache.metrics() if trainer.cache is not None else None
-        assert training is not None and training.samples == 32, "evaluation counted in the training hit rate"
+        assert trainer.cache is not None
+        assert trainer.cache.metrics().samples == 32, "evaluation counted in the training hit rate"
     finally:
         trainer.close()
 
