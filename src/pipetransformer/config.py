@@ -105,6 +105,7 @@ class FreezeConfig:
     interval_unit: Literal["steps", "epochs"] = "epochs"
     alpha: float = 0.25  # geometric pace: fraction of the remaining layers frozen per decision
     percentile: float = 50.0  # gradient policy threshold
+    max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     max_fraction: float = 0.84  # at most this fraction of the layers ever freezes
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...]
 
@@ -204,6 +205,8 @@ class Config:
             raise ConfigError(f"freeze.alpha must be in (0, 1], got {self.freeze.alpha}")
         if not 0.0 <= self.freeze.percentile <= 100.0:
             raise ConfigError(f"freeze.percentile must be in [0, 100], got {self.freeze.percentile}")
+        if self.freeze.max_change is not None and self.freeze.max_change <= 0.0:
+            raise ConfigError(f"freeze.max_change must be > 0 (or null for the percentile alone), got {self.freeze.max_change}")
         if not 0.0 <= self.freeze.max_fraction <= 1.0:
             raise ConfigError(f"freeze.max_fraction must be in [0, 1], got {self.freeze.max_fraction}")
         if self.freeze.policy == "schedule" and self.freeze.enabled and not self.freeze.schedule:

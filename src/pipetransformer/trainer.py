@@ -112,7 +112,8 @@ class Trainer:
         try:
             self.policy = make_policy(f.policy if f.enabled else "none", self.model.num_layers, interval=f.interval,
                                       interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
-                                      max_fraction=f.max_fraction, schedule=f.schedule, seed=config.seed)
+                                      max_fraction=f.max_fraction, schedule=f.schedule, max_change=f.max_change,
+                                      seed=config.seed)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.progress = _Progress()

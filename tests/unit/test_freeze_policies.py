@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "percentile": 50.0,
     "max_fraction": 1.0,
     "schedule": None,
+    "max_change": None,
     "seed": 0,
 }
 
@@ -115,6 +116,24 @@ def test_gradient_is_bounded_by_the_geometric_schedule() -> None:
 def test_gradient_freezes_nothing_while_the_bottom_layer_still_changes() -> None:
     trace = [[0.5**window] + [1.0] * (NUM_LAYERS - 1) for window in range(6)]
     assert frozen_counts(run(build("gradient", alpha=1.0), trace)) == [0] * 6
+
+
+def test_gradient_max_change_keeps_layers_that_all_still_move() -> None:
+    # Every layer's norm shrinks 20-30% per window: the percentile alone still finds a "converged" half
+    # (the bottom three, changing least), max_change 0.1 finds none until they settle to 5% per window.
+    moving = [[0.8**window] * 3 + [0.7**window] * 3 for window in range(4)]
+    settled = [[0.8**3 * 0.95**window] * 3 + [0.7 ** (3 + window)] * 3 for window in range(1, 4)]
+    trace = moving + settled
+    assert frozen_counts(run(build("gradient", alpha=1.0), trace)) == [0, 3, 3, 3, 3, 3, 3]
+    counts = frozen_counts(run(build("gradient", alpha=1.0, max_change=0.1), trace))
+    assert counts == [0, 0, 0, 0, 3, 3, 3]
+    decision = run(build("gradient", alpha=1.0, max_change=0.1), trace)[4]
+    assert decision is not None and decision.details["threshold"] == pytest.approx(0.1)
+
+
+def test_max_change_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="freeze.max_change must be > 0"):
+        build("gradient", max_change=0.0)
 
 
 def test_gradient_compares_window_means_over_epoch_windows() -> None:

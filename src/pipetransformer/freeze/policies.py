@@ -272,6 +272,11 @@ class GradientPolicy(FreezePolicy):
     The count is then bounded by the geometric schedule for the ``T``-th decision (never freeze faster
     than the 2021 code did) and by ``max_fraction``. Means, not sums, so windows of unequal length
     (epochs) compare fairly.
+
+    The percentile is relative: it always finds a "most converged" half, even in a model whose layers
+    are all still moving (training from scratch). ``max_change`` adds an absolute test: a layer whose
+    ratio is at or above it counts as changing whatever the percentile says (``None``: the paper's
+    percentile alone).
     """
 
     name = "gradient"
@@ -285,10 +290,12 @@ class GradientPolicy(FreezePolicy):
         max_fraction: float,
         alpha: float,
         percentile: float,
+        max_change: float | None = None,
     ) -> None:
         super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
         self.alpha = alpha
         self.percentile = percentile
+        self.max_change = max_change
         self.decisions = 0
         self.window_sum = np.zeros(num_layers, dtype=np.float64)
         self.window_steps = 0
@@ -318,6 +325,8 @@ class GradientPolicy(FreezePolicy):
         # float so interpolation stays finite; NaN norms (divergence) give a NaN threshold: nothing freezes.
         finite = np.minimum(np.fromiter(ratios.values(), dtype=np.float64), _LARGEST_FLOAT)
         threshold = float(np.percentile(finite, self.percentile))
+        if self.max_change is not None:
+            threshold = min(threshold, self.max_change)
         candidate = next((i for i in active if ratios[i] >= threshold), active[0])
         bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
         details = {
@@ -385,6 +394,7 @@ def make_policy(
     percentile: float,
     max_fraction: float,
     schedule: Sequence[Sequence[int]] | None = None,
+    max_change: float | None = None,
     seed: int,
 ) -> FreezePolicy:
     """Build a policy by its config name, checking every argument with an error that says what to set."""
@@ -402,11 +412,13 @@ def make_policy(
         raise ValueError(f"freeze.percentile must be in [0, 100], got {percentile}")
     if not 0.0 <= max_fraction <= 1.0:
         raise ValueError(f"freeze.max_fraction must be in [0, 1], got {max_fraction}")
+    if max_change is not None and max_change <= 0.0:
+        raise ValueError(f"freeze.max_change must be > 0 (or null), got {max_change}")
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
     if name == "gradient":
-        return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, **common)
+        return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
         return GeometricPolicy(num_layers, alpha=alpha, **common)
     if name == "random":
