@@ -1,4 +1,4 @@
-"""Command line: ``pipetransformer train | plan | report``.
+"""Command line: ``pipetransformer train | plan | report | replay``.
 
 One device::
 
@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plots and a markdown summary from run directories")
     report.add_argument("run_dirs", nargs="+")
     report.add_argument("--out", default=None, help="output directory (default: the first run directory)")
+    replay = commands.add_parser("replay", help="the freeze decisions a policy takes on a run's logged gradient norms")
+    replay.add_argument("run_dir", help="a run that froze nothing, trained with run.log_every=1")
+    replay.add_argument("--config", default=None,
+                        help="take the freeze settings from this YAML config (default: the run's own)")
+    replay.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a freeze setting, e.g. --set freeze.max_change=0.1 (repeatable)")
     return parser
 
 
@@ -175,15 +181,42 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from .freeze.policies import make_policy
+    from .freeze.replay import read_logged_steps, replay
+    run_dir = Path(args.run_dir)
+    steps = read_logged_steps(run_dir / "metrics.jsonl")
+    config = load_config(args.config or run_dir / "config.yaml", args.overrides)
+    f = config.freeze
+    try:
+        policy = make_policy(f.policy, len(steps[0].layer_grad_norms), interval=f.interval,
+                             interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
+                             max_fraction=f.max_fraction, schedule=f.schedule, max_change=f.max_change,
+                             seed=config.seed)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
+          f"percentile={f.percentile} max_change={f.max_change} over {len(steps)} steps of {run_dir}")
+    decisions = replay(policy, steps)
+    for decision in decisions:
+        print(f"step {decision.step} (epoch {decision.epoch}): {len(decision.frozen)} layers frozen "
+              f"{sorted(decision.frozen)}")
+    if not decisions:
+        print("nothing frozen")
+    return 0
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change: shown as one line, without a traceback."""
     from .checkpoint import CheckpointError
     from .data.batch import DatasetUnavailableError
+    from .freeze.replay import ReplayError
     from .models.blocks import BlockSplitError
     from .pipe.layout import LayoutError
     from .pipe.partition import PartitionError
     from .trainer import TrainingDivergedError
-    return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError, PartitionError, FileNotFoundError)
+    return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,
+            PartitionError, ReplayError, FileNotFoundError)
 
 
 def _report_user_error(error: BaseException) -> None:
@@ -200,7 +233,7 @@ def _report_user_error(error: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": _train, "plan": _plan, "report": _report}
+    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay}
     try:
         return handlers[args.command](args)
     except ConfigError as error:  # first, so a typo is reported without importing torch
