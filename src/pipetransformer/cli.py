@@ -182,17 +182,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .freeze.policies import make_policy
+    from .freeze.policies import policy_from_settings
     from .freeze.replay import read_logged_steps, replay
     run_dir = Path(args.run_dir)
     steps = read_logged_steps(run_dir / "metrics.jsonl")
     config = load_config(args.config or run_dir / "config.yaml", args.overrides)
     f = config.freeze
     try:
-        policy = make_policy(f.policy, len(steps[0].layer_grad_norms), interval=f.interval,
-                             interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
-                             max_fraction=f.max_fraction, schedule=f.schedule, max_change=f.max_change,
-                             seed=config.seed)
+        policy = policy_from_settings(f, len(steps[0].layer_grad_norms), seed=config.seed)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "

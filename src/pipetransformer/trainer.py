@@ -35,7 +35,7 @@ from .distributed import DistEnv, broadcast_string, init_distributed, new_groups
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
-from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, make_policy
+from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
@@ -110,10 +110,7 @@ class Trainer:
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         f = config.freeze
         try:
-            self.policy = make_policy(f.policy if f.enabled else "none", self.model.num_layers, interval=f.interval,
-                                      interval_unit=f.interval_unit, alpha=f.alpha, percentile=f.percentile,
-                                      max_fraction=f.max_fraction, schedule=f.schedule, max_change=f.max_change,
-                                      seed=config.seed)
+            self.policy = policy_from_settings(f, self.model.num_layers, seed=config.seed, enabled=f.enabled)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.progress = _Progress()

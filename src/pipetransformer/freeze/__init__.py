@@ -10,6 +10,7 @@ from pipetransformer.freeze.policies import (
     frozen_prefix_layers,
     geometric_frozen_count,
     make_policy,
+    policy_from_settings,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "is_pinned_eval",
     "layer_grad_sq_norms",
     "make_policy",
+    "policy_from_settings",
 ]

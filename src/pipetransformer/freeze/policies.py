@@ -37,6 +37,7 @@ __all__ = [
     "frozen_prefix_layers",
     "geometric_frozen_count",
     "make_policy",
+    "policy_from_settings",
 ]
 
 INTERVAL_UNITS = ("steps", "epochs")
@@ -426,3 +427,14 @@ def make_policy(
     if name == "schedule":
         return SchedulePolicy(num_layers, schedule=schedule or [], **common)
     return NoFreezePolicy(num_layers, **common)
+
+
+def policy_from_settings(settings: Any, num_layers: int, *, seed: int, enabled: bool = True) -> FreezePolicy:
+    """``make_policy`` from the ``freeze`` section of a config (any object with its fields).
+
+    ``enabled=False`` gives the ``none`` policy, so a run without AutoFreeze still counts steps and windows.
+    """
+    return make_policy(settings.policy if enabled else "none", num_layers, interval=settings.interval,
+                       interval_unit=settings.interval_unit, alpha=settings.alpha, percentile=settings.percentile,
+                       max_fraction=settings.max_fraction, schedule=settings.schedule,
+                       max_change=settings.max_change, seed=seed)
