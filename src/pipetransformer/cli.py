@@ -1,4 +1,4 @@
-"""Command line: ``pipetransformer train | plan | report | replay``.
+"""Command line: ``pipetransformer train | plan | report | replay | pretrain``.
 
 One device::
 
@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="take the freeze settings from this YAML config (default: the run's own)")
     replay.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a freeze setting, e.g. --set freeze.max_change=0.1 (repeatable)")
+    pretrain = commands.add_parser("pretrain", help="masked-patch pretraining of a config's ViT on its training images")
+    pretrain.add_argument("config", help="a YAML config with model.kind: vit")
+    pretrain.add_argument("--out", required=True, help="backbone file to write (use it as model.path)")
+    pretrain.add_argument("--epochs", type=int, default=None, help="passes over the images (default: train.epochs)")
+    pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser
 
 
@@ -96,6 +101,9 @@ def _check_before_launch(config: Config, world_size: int) -> None:
     if config.model.kind == "hf" and config.model.path and not (Path(config.model.path) / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"model.path={config.model.path} holds no Hugging Face model (no {HF_CONFIG_FILE}): "
                           "point it at a local directory saved with save_pretrained")
+    if config.model.kind == "vit" and config.model.path and not Path(config.model.path).is_file():
+        raise ConfigError(f"model.path={config.model.path} does not exist: create a ViT backbone with "
+                          f"`pipetransformer pretrain CONFIG --out {config.model.path}` or remove model.path")
     if config.data.path and not Path(config.data.path).exists():
         raise ConfigError(f"data.path={config.data.path} does not exist: point it at your "
                           f"{'CSV file' if config.data.name == 'text_csv' else 'data folder'}")
@@ -203,6 +211,35 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrain(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    if config.model.kind != "vit":
+        raise ConfigError(f"pretrain needs model.kind: vit (masked-patch pretraining of the built-in ViT), "
+                          f"not {config.model.kind}")
+    epochs = config.train.epochs if args.epochs is None else args.epochs
+    if epochs < 1:
+        raise ConfigError(f"--epochs must be >= 1, got {epochs}")
+    _check_before_launch(config, world_size=1)
+    import torch
+
+    from .data import load_datasets
+    from .models import build_model
+    from .models.pretrain import masked_patch_pretrain
+    from .models.vit import save_vit_backbone
+    torch.manual_seed(config.seed)
+    d = config.data
+    train_set, _ = load_datasets(d.name, path=d.path, validation_fraction=d.validation_fraction, seed=config.seed,
+                                 max_train_samples=d.max_train_samples)
+    model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path, vit=dict(config.model.vit))
+    pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
+    masked_patch_pretrain(model, pixels, config.train, epochs=epochs, seed=config.seed,
+                          on_epoch=lambda epoch, loss, seconds: print(
+                              f"epoch {epoch + 1}/{epochs}: masked-patch loss {loss:.4f} ({seconds:.0f} s)", flush=True))
+    save_vit_backbone(model, Path(args.out))
+    print(f"backbone written to {args.out}: set model.path: {args.out}")
+    return 0
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change: shown as one line, without a traceback."""
     from .checkpoint import CheckpointError
@@ -230,7 +267,7 @@ def _report_user_error(error: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay}
+    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay, "pretrain": _pretrain}
     try:
         return handlers[args.command](args)
     except ConfigError as error:  # first, so a typo is reported without importing torch

@@ -55,7 +55,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     kind: Literal["minilm", "hf", "vit"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT
-    path: str | None = None  # kind=hf: local directory of a pretrained encoder
+    path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`
     hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
     pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)

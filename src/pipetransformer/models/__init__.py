@@ -6,7 +6,7 @@ from typing import Any
 
 from pipetransformer.models.blocks import BlockSequence, BlockSplitError
 from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, load_tokenizer, minilm_path
-from pipetransformer.models.vit import build_vit
+from pipetransformer.models.vit import build_vit, load_vit_backbone
 
 __all__ = ["MODEL_KINDS", "BlockSequence", "BlockSplitError", "build_model", "load_tokenizer", "minilm_path"]
 
@@ -27,18 +27,22 @@ def build_model(
 
     ``"minilm"``: the packaged pretrained all-MiniLM-L6-v2; ``"hf"``: pretrained weights from the local
     directory ``path``, or random weights from ``hf_config`` (a dict with ``model_type``); ``"vit"``:
-    the built-in ViT with ``vit`` holding ``build_vit``'s keyword arguments except ``num_classes``.
+    the built-in ViT with ``vit`` holding ``build_vit``'s keyword arguments except ``num_classes``, and
+    ``path`` an optional backbone file from ``pipetransformer pretrain`` (the head stays freshly initialised).
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_KINDS)}")
     if kind == "vit":
-        if path is not None or hf_config is not None:
-            raise ValueError("model kind 'vit' takes no path or hf_config: use kind 'hf' for Hugging Face models")
+        if hf_config is not None:
+            raise ValueError("model kind 'vit' takes no hf_config: use kind 'hf' for Hugging Face models")
         if vit is None:
             raise ValueError("model kind 'vit' needs vit settings (image_size, patch_size, in_channels, dim, ...)")
         if "num_classes" in vit:
             raise ValueError("do not set num_classes in the vit settings: it comes from num_labels")
-        return build_vit(**vit, num_classes=num_labels)
+        model = build_vit(**vit, num_classes=num_labels)
+        if path is not None:
+            load_vit_backbone(model, path)
+        return model
     if vit is not None:
         raise ValueError(f"vit settings apply only to model kind 'vit', not {kind!r}: remove them")
     if kind == "minilm":

@@ -1,20 +1,32 @@
 """A built-in Vision Transformer (Dosovitskiy et al. 2021) as a block sequence.
 
-No package ships pretrained ViT weights that load offline, so the image track trains from random
-init with this small, dependency-free model. Layers are pre-norm, so the final LayerNorm sits in
-the head and every layer block is a whole residual layer.
+No package ships pretrained ViT weights that load offline, so the image track trains this small,
+dependency-free model from random init, or from a backbone pretrained here (``models.pretrain``).
+Layers are pre-norm, so the final LayerNorm sits in the head and every layer block is a whole residual
+layer.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.models.heads import ImageClassificationHead
 
-__all__ = ["DEFAULT_DROPOUT", "DEFAULT_MLP_RATIO", "PatchEmbeddings", "ViTLayer", "build_vit"]
+__all__ = [
+    "DEFAULT_DROPOUT",
+    "DEFAULT_MLP_RATIO",
+    "PatchEmbeddings",
+    "ViTLayer",
+    "build_vit",
+    "load_vit_backbone",
+    "save_vit_backbone",
+]
 
 DEFAULT_MLP_RATIO = 4.0
 DEFAULT_DROPOUT = 0.0
@@ -96,6 +108,34 @@ def build_vit(
     layers = [ViTLayer(dim, heads, mlp_ratio, dropout) for _ in range(depth)]
     head = ImageClassificationHead(dim, num_classes, final_norm=nn.LayerNorm(dim))
     return BlockSequence(PatchEmbeddings(image_size, patch_size, in_channels, dim, dropout), layers, head, task="image")
+
+
+def _backbone_state(model: BlockSequence) -> dict[str, torch.Tensor]:
+    head = f"blocks.{len(model) - 1}."
+    return {name: tensor for name, tensor in model.state_dict().items() if not name.startswith(head)}
+
+
+def save_vit_backbone(model: BlockSequence, path: Path) -> None:
+    """Every block but the head, as safetensors: a fine-tune brings its own head for its own classes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().contiguous().cpu() for name, t in _backbone_state(model).items()}, str(path))
+
+
+def load_vit_backbone(model: BlockSequence, path: str | Path) -> None:
+    """Load a backbone saved by ``save_vit_backbone`` into ``model`` (in place; the head keeps its init)."""
+    if not Path(path).is_file():
+        raise ValueError(f"no ViT backbone at {path}: create one with `pipetransformer pretrain CONFIG --out {path}`")
+    saved = load_file(str(path))
+    expected = {name: tuple(t.shape) for name, t in _backbone_state(model).items()}
+    found = {name: tuple(t.shape) for name, t in saved.items()}
+    if found != expected:
+        differing = sorted(set(found) ^ set(expected)) or sorted(n for n in found if found[n] != expected[n])
+        raise ValueError(f"the ViT backbone at {path} does not fit model.vit (first difference: {differing[0]}): "
+                         "pretrain with the same model.vit settings")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in saved:
+                tensor.copy_(saved[name])
 
 
 def _validate(
