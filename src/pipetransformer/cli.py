@@ -230,11 +230,16 @@ def _pretrain(args: argparse.Namespace) -> int:
     d = config.data
     train_set, _ = load_datasets(d.name, path=d.path, validation_fraction=d.validation_fraction, seed=config.seed,
                                  max_train_samples=d.max_train_samples)
-    model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path, vit=dict(config.model.vit))
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
-    masked_patch_pretrain(model, pixels, config.train, epochs=epochs, seed=config.seed,
-                          on_epoch=lambda epoch, loss, seconds: print(
-                              f"epoch {epoch + 1}/{epochs}: masked-patch loss {loss:.4f} ({seconds:.0f} s)", flush=True))
+    try:
+        model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path,
+                            vit=dict(config.model.vit))
+        masked_patch_pretrain(model, pixels, config.train, epochs=epochs, seed=config.seed,
+                              on_epoch=lambda epoch, loss, seconds: print(
+                                  f"epoch {epoch + 1}/{epochs}: masked-patch loss {loss:.4f} ({seconds:.0f} s)",
+                                  flush=True))
+    except ValueError as error:  # the messages name the setting to change
+        raise ConfigError(str(error)) from None
     save_vit_backbone(model, Path(args.out))
     print(f"backbone written to {args.out}: set model.path: {args.out}")
     return 0

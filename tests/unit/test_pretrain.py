@@ -74,6 +74,7 @@ def test_pretrain_command_writes_a_backbone_a_training_config_can_use(tmp_path: 
     (["pretrain", str(TINY_VIT), "--out", "x.safetensors", "--set", "model.path=/nowhere.safetensors"],
      "create a ViT backbone with `pipetransformer pretrain"),
     (["train", str(TINY_VIT), "--set", "model.path=/nowhere.safetensors"], "model.path=/nowhere.safetensors does not"),
+    (["pretrain", str(TINY_VIT), "--out", "x.safetensors", "--epochs", "0"], "--epochs must be >= 1"),
 ])
 def test_pretrain_and_model_path_mistakes_are_one_line(args: list[str], message: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

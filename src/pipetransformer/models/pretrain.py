@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch.nn import functional as F
 from pipetransformer.config import TrainConfig
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.models.vit import INIT_STD, PatchEmbeddings
-from pipetransformer.optim import lr_at
+from pipetransformer.optim import build_optimizer, lr_at, set_lr
 
 __all__ = ["DEFAULT_MASK_RATIO", "masked_patch_pretrain"]
 
@@ -69,7 +68,7 @@ def masked_patch_pretrain(model: BlockSequence, pixels: torch.Tensor, train: Tra
         raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
     objective = _MaskedPatchObjective(model, mask_ratio)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    optimizer = build_optimizer(params, train)
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = max(1, len(pixels) // train.batch_size)
     total = epochs * steps_per_epoch
@@ -87,13 +86,12 @@ def masked_patch_pretrain(model: BlockSequence, pixels: torch.Tensor, train: Tra
             loss.backward()
             if train.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total, train)
+            set_lr(optimizer, lr_at(step, total, train))
             optimizer.step()
             epoch_loss += float(loss.detach())
         mean = epoch_loss / steps_per_epoch
         if not math.isfinite(mean):
-            raise FloatingPointError(f"masked-patch loss became {mean} in epoch {epoch}: lower train.lr")
+            raise ValueError(f"the masked-patch loss became {mean} in epoch {epoch + 1}: lower train.lr")
         losses.append(mean)
         if on_epoch is not None:
             on_epoch(epoch, mean, time.perf_counter() - started)
