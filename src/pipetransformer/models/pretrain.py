@@ -45,14 +45,13 @@ class _MaskedPatchObjective(nn.Module):
 
     def forward(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Mean squared error on the masked patches' pixels."""
-        batch, patch = pixels.shape[0], self.patch
+        patch = self.patch
         targets = pixels.unfold(2, patch, patch).unfold(3, patch, patch)  # [B, C, rows, cols, p, p]
         targets = targets.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # [B, patches, C p p], row-major
-        tokens = self.embeddings.projection(pixels).flatten(2).transpose(1, 2)  # [B, patches, dim], row-major
+        tokens = self.embeddings.patch_tokens(pixels)
         masked = torch.rand(tokens.shape[:2], generator=generator) < self.mask_ratio
         tokens = torch.where(masked[..., None], self.mask_token.expand_as(tokens), tokens)
-        hidden = torch.cat((self.embeddings.class_token.expand(batch, -1, -1), tokens), dim=1)
-        hidden = hidden + self.embeddings.position_embeddings
+        hidden = self.embeddings.with_class_token(tokens)
         for layer in self.layers:
             hidden = layer(hidden)[0]
         predicted = self.decoder(hidden[:, 1:])

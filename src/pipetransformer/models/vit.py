@@ -51,16 +51,23 @@ class PatchEmbeddings(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.with_class_token(self.patch_tokens(pixels)),)
+
+    def patch_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[batch, patches, dim]``, patches in row-major order (masked-patch pretraining replaces some)."""
         expected = (self.in_channels, self.image_size, self.image_size)
         if pixels.dim() != len(expected) + 1 or tuple(pixels.shape[1:]) != expected:
             raise ValueError(
                 f"pixels have shape {tuple(pixels.shape)}, expected [batch, {', '.join(map(str, expected))}]: "
                 "resize the images or build the ViT with matching image_size and in_channels"
             )
-        patches = self.projection(pixels).flatten(2).transpose(1, 2)
-        class_tokens = self.class_token.expand(pixels.shape[0], -1, -1)
+        return self.projection(pixels).flatten(2).transpose(1, 2)
+
+    def with_class_token(self, patches: torch.Tensor) -> torch.Tensor:
+        """The class token prepended, learned positions added: the first layer's input."""
+        class_tokens = self.class_token.expand(patches.shape[0], -1, -1)
         hidden = torch.cat((class_tokens, patches), dim=1) + self.position_embeddings
-        return (self.dropout(hidden).contiguous(),)
+        return self.dropout(hidden).contiguous()
 
 
 class ViTLayer(nn.Module):
