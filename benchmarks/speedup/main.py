@@ -33,6 +33,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     LoadSampler,
     RunResult,
     TaskSpec,
+    ensure_backbone,
     fmt,
     interleaved_order,
     machine_info,
@@ -140,7 +141,8 @@ def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
 
 
 def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[str, dict[str, Any]],
-              machine: dict[str, Any], reference: list[dict[str, Any]], png: str | None) -> str:
+              machine: dict[str, Any], reference: list[dict[str, Any]], png: str | None,
+              backbone: dict[str, Any] | None) -> str:
     rows = []
     for member in (m for m in FAMILY if m in table):
         row = table[member]
@@ -161,7 +163,8 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
             f"started {machine['started']}.", "",
             f"Configs `configs/{spec.prefix}_<name>.yaml`; every run adds `--set checkpoint.enabled=false "
             f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines).",
-            "", "Wall time is the trainer's `wall_time_s` (training + evaluations, without process start-up and "
+            "", *_backbone_lines(backbone),
+            "Wall time is the trainer's `wall_time_s` (training + evaluations, without process start-up and "
             "model loading); speed-ups are ratios of median wall times. `load avg` is the 1-minute load "
             "average sampled every 5 s during the run (2 = the two workers alone).", "",
             markdown_table(header, rows), "", "## Targets (`all`)", "", *_targets(table), "",
@@ -181,6 +184,16 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     if png:
         text += [f"![{task}: all vs baselines]({png})", ""]
     return "\n".join(text)
+
+
+def _backbone_lines(backbone: dict[str, Any] | None) -> list[str]:
+    if backbone is None:
+        return []
+    made = (f"made by this run in {backbone['made_here_s']:.0f} s" if backbone["made_here_s"] is not None
+            else "reused from an earlier run")
+    return [f"Every config fine-tunes `{backbone['path']}`: `pipetransformer pretrain configs/{backbone['config']} "
+            f"--epochs {backbone['epochs']}` (masked-patch pretraining on the training images, no labels), {made}.",
+            ""]
 
 
 def _run_reference(runs_dir: Path) -> list[dict[str, Any]]:
@@ -227,6 +240,7 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     runs_dir = args.runs_dir / task
     runs_dir.mkdir(parents=True, exist_ok=True)
     members = [m for m in FAMILY if m in args.configs]
+    backbone = ensure_backbone(spec, runs_dir)
     results = []
     for repeat, member in interleaved_order(members, args.repeats):
         overrides = spec.quick_overrides(member) if args.quick else []
@@ -234,9 +248,9 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
     png = _report(task, results, runs_dir)
-    markdown = _markdown(task, spec, args, table, machine, reference, png)
+    markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
-               "spec": asdict(spec), "table": table, "reference": reference, "runs": results}
+               "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
     md_path, _ = write_results(HERE, f"results-{task}", markdown, payload)
     print(f"results: {md_path}", flush=True)
     return {"table": table, "markdown": md_path}

@@ -83,6 +83,7 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
     warmup_fraction: float = 0.06  # of the total steps
+    layer_lr_decay: float = 1.0  # block i of n trains at lr * decay^(n-1-i) (head: full rate); 1 = off
     grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
     eval_every_steps: int | None = None  # null = at every epoch end; N = every N steps (not at epoch ends)
     eval_batch_size: int = 128  # evaluation is sharded over every worker
@@ -197,6 +198,9 @@ class Config:
             raise ConfigError(f"train.grad_clip must be > 0, or null for no clipping, got {self.train.grad_clip}")
         if self.dist.threads_per_worker is not None and self.dist.threads_per_worker < 1:
             raise ConfigError(f"dist.threads_per_worker must be >= 1 or null, got {self.dist.threads_per_worker}")
+        if not 0.0 < self.train.layer_lr_decay <= 1.0:
+            raise ConfigError(f"train.layer_lr_decay must be in (0, 1] (1 = every block at train.lr), "
+                              f"got {self.train.layer_lr_decay}")
         if not 0.0 <= self.train.warmup_fraction < 1.0:
             raise ConfigError(f"train.warmup_fraction must be in [0, 1), got {self.train.warmup_fraction}")
         if not 0.0 < self.data.validation_fraction < 1.0:

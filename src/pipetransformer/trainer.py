@@ -39,7 +39,7 @@ from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_pr
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 from .pipe.cost import BlockCost
 from .pipe.layout import transfer_plan
 from .pipe.planner import LayoutPlan, plan_layout
@@ -262,7 +262,7 @@ class Trainer:
     def _rebuild_optimizer(self, held: _Held, received: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
         params = self._held_params(held)
         old_state = self.optimizer.state if self.optimizer is not None else {}
-        self.optimizer = build_optimizer(params, self.config.train) if params else None
+        self.optimizer = build_optimizer(params, self.config.train, self._lr_scales(held)) if params else None
         if self.optimizer is not None:
             for p in params:
                 if p in received:
@@ -273,6 +273,11 @@ class Trainer:
             self.sync.close()
         # One backward per step only without a pipeline schedule: then buckets overlap backward.
         self.sync = GradientSync(params, self.dp_group, overlap=held.plan.layout.num_stages == 1)
+
+    def _lr_scales(self, held: _Held) -> dict[torch.nn.Parameter, float]:
+        scales = layer_lr_scales(len(self.model.blocks), self.config.train.layer_lr_decay)
+        start, end = held.blocks
+        return {p: scales[i] for i in range(start, end) for p in self.model.blocks[i].parameters()}
 
     def _build_stage(self, held: _Held) -> None:
         self.runner: PipelineRunner | None = None

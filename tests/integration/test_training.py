@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
 
@@ -58,9 +59,11 @@ def test_pipeline_matches_single_process(tmp_path: Path, schedule: str) -> None:
 
 
 def _elastic(tmp_path: Path, nproc: int, budget_gb: float, schedule: str) -> Path:
-    """Pipeline compressed by freezing, freed workers turned into replicas, cache on; vs one process."""
+    """Pipeline compressed by freezing, freed workers turned into replicas, cache on; vs one process. Layer-wise
+    learning-rate decay is on, so each rebuilt optimizer must keep every block's own rate."""
     common = (*SAVE, "data.max_train_samples=96", "freeze.enabled=true", "freeze.policy=schedule",
-              "freeze.interval_unit=steps", f"freeze.schedule={schedule}", "cache.enabled=true")
+              "freeze.interval_unit=steps", f"freeze.schedule={schedule}", "cache.enabled=true",
+              "train.layer_lr_decay=0.8")
     reference = tmp_path / "reference"
     run_job(VIT, reference, *common)
     elastic = tmp_path / "elastic"
@@ -115,3 +118,21 @@ def test_keep_per_pipeline_batch_policy_grows_batch_and_lr(tmp_path: Path) -> No
     assert [s["dp_width"] for s in steps] == [1, 1, 2, 2]
     assert [s["global_batch"] for s in steps] == [16, 16, 32, 32]
     assert steps[2]["lr"] == pytest.approx(2 * steps[0]["lr"]), "linear scaling rule: lr grows with the width"
+
+
+def test_layer_lr_decay_scales_each_blocks_update(tmp_path: Path) -> None:
+    """One SGD step at decay d moves block i of n by d^(n-1-i) of what it moves at decay 1."""
+    # A large rate, so even the embeddings' update (0.5^7 of it) stands far above the weights' float rounding.
+    plain_sgd = ("train.max_steps=1", "train.optimizer=sgd", "train.momentum=0.0", "train.weight_decay=0.0",
+                 "train.warmup_fraction=0.0", "train.lr_schedule=constant", "train.grad_clip=null", *SAVE)
+    variants = {"initial": ("train.lr=1e-30",), "full": ("train.lr=10",),
+                "decayed": ("train.lr=10", "train.layer_lr_decay=0.5")}
+    runs = {}
+    for name, overrides in variants.items():
+        run_job(VIT, tmp_path / name, *plain_sgd, *overrides)
+        runs[name] = weights(tmp_path / name)
+    num_blocks = 1 + max(int(name.split(".")[1]) for name in runs["initial"])
+    for name, initial in runs["initial"].items():
+        block = int(name.split(".")[1])
+        expected = (runs["full"][name] - initial) * 0.5 ** (num_blocks - 1 - block)
+        torch.testing.assert_close(runs["decayed"][name] - initial, expected, rtol=1e-3, atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipetransformer.config import TrainConfig
-from pipetransformer.optim import build_optimizer, lr_at
+from pipetransformer.optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 
 TOTAL_STEPS = 100
 BASE_LR = 1e-3
@@ -51,3 +51,28 @@ def test_schedule_warms_up_then_decays(schedule: str) -> None:
         assert lrs[-1] == pytest.approx(BASE_LR)
     else:
         assert lrs[-1] < 0.05 * BASE_LR
+
+
+def test_layer_lr_scales_give_the_head_the_full_rate_and_decay_downwards() -> None:
+    assert layer_lr_scales(4, 0.5) == [0.125, 0.25, 0.5, 1.0]
+    assert layer_lr_scales(3, 1.0) == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_set_lr_applies_each_parameters_scale(optimizer: str) -> None:
+    """Every parameter steps at its own block's rate, whatever group order the parameters come in."""
+    blocks = [torch.nn.Linear(3, 3) for _ in range(3)]
+    scales = layer_lr_scales(len(blocks), 0.5)
+    params = [p for block in reversed(blocks) for p in block.parameters()]
+    config = _config(optimizer=optimizer, weight_decay=0.0, momentum=0.0)
+    per_param = {p: scales[i] for i, block in enumerate(blocks) for p in block.parameters()}
+    built = build_optimizer(params, config, per_param)
+    set_lr(built, BASE_LR)
+    before = [[p.detach().clone() for p in block.parameters()] for block in blocks]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    built.step()
+    for block, start, scale in zip(blocks, before, scales, strict=True):
+        for p, p0 in zip(block.parameters(), start, strict=True):
+            # SGD moves lr * grad; AdamW's first step moves lr * m / (sqrt(v) + eps) = lr (to eps) for grad 1.
+            torch.testing.assert_close(p0 - p.detach(), torch.full_like(p0, BASE_LR * scale), rtol=1e-4, atol=1e-9)
