@@ -275,6 +275,7 @@ class Trainer:
         self.sync = GradientSync(params, self.dp_group, overlap=held.plan.layout.num_stages == 1)
 
     def _lr_scales(self, held: _Held) -> dict[torch.nn.Parameter, float]:
+        """Each held parameter's learning-rate scale, from its block's place in the whole model (not the stage)."""
         scales = layer_lr_scales(len(self.model.blocks), self.config.train.layer_lr_decay)
         start, end = held.blocks
         return {p: scales[i] for i in range(start, end) for p in self.model.blocks[i].parameters()}
