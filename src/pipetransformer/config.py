@@ -50,6 +50,7 @@ class RunConfig:
     progress: bool = True  # progress bar on rank 0
     save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
+    tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-step timing breakdown and the run directory's JSON files.
+"""Per-step timing breakdown and the run directory's metrics: JSON files and TensorBoard event files.
 
 The breakdown follows the design notes' logs: data loading, forward, backward, all-reduce, optimizer,
 samples/s. Under a pipeline schedule forward and backward interleave, so they are reported together as
@@ -7,7 +7,9 @@ samples/s. Under a pipeline schedule forward and backward interleave, so they ar
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +18,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimer", "JsonlWriter", "write_json", "device_synchronize"]
+__all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synchronize", "tensorboard_available",
+           "tensorboard_scalars", "METRICS_FILE", "TENSORBOARD_DIR_NAME", "LAYOUT_FIELDS", "NON_PHASE_SECONDS",
+           "CACHE_FIELD_PREFIX"]
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR_NAME = "tensorboard"
+# Fields of a step record that describe the layout it ran under, with their plot titles.
+LAYOUT_FIELDS = (("frozen_layers", "frozen layers"), ("stages", "pipeline stages"),
+                 ("dp_width", "data-parallel width"), ("micro_batches", "micro-batches"))
+NON_PHASE_SECONDS = ("step_s", "wall_s", "samples_per_s")  # end in "_s" but are no phase
+CACHE_FIELD_PREFIX = "cache_"
+NOT_SCALARS = ("event", "step", "epoch", "wall_s")  # a step record's keys that are its coordinates, not metrics
 
 
 def device_synchronize(device: torch.device) -> None:
@@ -73,3 +88,72 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def tensorboard_available() -> bool:
+    """Whether the optional ``tensorboard`` package (``pip install '.[tensorboard]'``) is installed."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def tensorboard_scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """The TensorBoard scalars ``(tag, value)`` of one metrics record, at the record's ``step``.
+
+    Step records give ``layout/*`` (frozen layers, stages, width, micro-batches), ``time/*`` (the step and
+    its phases, seconds) and ``train/*`` (loss, lr, samples/s, cache, ...); evaluations ``eval/accuracy``;
+    freeze decisions ``freeze/frozen_layers``. Other events (checkpoints) and non-numbers give nothing.
+    """
+    event = record.get("event")
+    if event == "eval":
+        return [("eval/accuracy", float(record["accuracy"]))]
+    if event == "freeze":
+        return [("freeze/frozen_layers", float(len(record.get("frozen", []))))]
+    if event != "step":
+        return []
+    layout = dict(LAYOUT_FIELDS)
+    scalars = []
+    for key, value in record.items():
+        if key in NOT_SCALARS or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        seconds = key == "step_s" or (key.endswith("_s") and key not in NON_PHASE_SECONDS
+                                      and not key.startswith(CACHE_FIELD_PREFIX))
+        group = "layout" if key in layout else "time" if seconds else "train"
+        scalars.append((f"{group}/{key}", float(value)))
+    return scalars
+
+
+class MetricsLog:
+    """Rank 0's log of a run: ``metrics.jsonl`` (the record every tool reads) and, when ``tensorboard`` is on
+    and the package is installed, the same records as TensorBoard scalars in ``<run dir>/tensorboard``.
+
+    ``next_step`` is the first step this process will log. TensorBoard drops every event of an earlier
+    process at or after it (its ``purge_step``), so a resumed run's event files hold each step once: the
+    killed run's up to the checkpoint, then this run's. The trainer calls ``flush`` at every checkpoint so
+    that the history up to it is on disk even if the process is then killed (TensorBoard's writer thread
+    appends events to a local file as it takes them from its queue; ``flush`` waits for that queue, and for
+    file systems that buffer whole files).
+    """
+
+    def __init__(self, run_dir: Path, *, append: bool, tensorboard: bool, next_step: int) -> None:
+        self._jsonl = JsonlWriter(run_dir / METRICS_FILE, append)
+        self._events: Any = None
+        if tensorboard and tensorboard_available():
+            from torch.utils.tensorboard import SummaryWriter
+            self._events = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR_NAME), purge_step=next_step)
+        elif tensorboard:
+            logger.info("tensorboard is not installed: no event files (pip install '.[tensorboard]' for them)")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(record)
+        if self._events is not None:
+            for tag, value in tensorboard_scalars(record):
+                self._events.add_scalar(tag, value, global_step=record["step"])
+
+    def flush(self) -> None:
+        """Put the buffered event files on disk (the JSON lines already are)."""
+        if self._events is not None:
+            self._events.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._events is not None:
+            self._events.close()

@@ -12,7 +12,6 @@ start of the first step (its timestamp minus its ``step_s``), which is also the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -27,6 +26,9 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .metrics import (CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME,
+                      tensorboard_available, tensorboard_scalars)
+
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",
     "load_run", "run_labels", "speedup", "layout_segments", "phase_means", "write_report", "write_tensorboard",
@@ -34,16 +36,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REQUIRED_FILES = ("config.yaml", "summary.json", "metrics.jsonl")
+REQUIRED_FILES = ("config.yaml", "summary.json", METRICS_FILE)
 REPORT_DIR_NAME = "report"
-TENSORBOARD_DIR_NAME = "tensorboard"
 # Phase times the trainer may log per step (``<phase>_s``), in the order a step runs them.
 PHASES = ("data", "forward", "backward", "forward_backward", "allreduce", "control", "optimizer")
 OTHER_PHASE = "other"  # step time no named phase accounts for
-LAYOUT_FIELDS = (("frozen_layers", "frozen layers"), ("stages", "pipeline stages"),
-                 ("dp_width", "data-parallel width"), ("micro_batches", "micro-batches"))
-NON_PHASE_SECONDS = ("step_s", "wall_s", "samples_per_s")  # end in "_s" but are no phase
-CACHE_FIELD_PREFIX = "cache_"
 
 ACCURACY_DIGITS = 4
 SECONDS_DIGITS = 3
@@ -155,7 +152,7 @@ def load_run(path: Path) -> Run:
     if not isinstance(config, dict):
         raise RunDirError(f"{path / 'config.yaml'} holds no config mapping: pass another run directory")
     summary = _read_json(path / "summary.json")
-    records = _read_metrics(path / "metrics.jsonl")
+    records = _read_metrics(path / METRICS_FILE)
     name = (config.get("run") or {}).get("name") or path.name
     return Run(path=path, name=str(name), config=config, summary=summary,
                steps=_relative_steps([r for r in records if r.get("event") == "step"]),
@@ -399,7 +396,7 @@ def _comparison_section(runs: Sequence[Run], labels: Sequence[str]) -> list[str]
 
 
 def _markdown(runs: Sequence[Run], labels: Sequence[str], images: Sequence[tuple[str, str]],
-              tensorboard: Path | None) -> str:
+              event_dirs: Sequence[Path]) -> str:
     lines = ["# PipeTransformer run report", ""]
     if len(runs) > 1:
         lines += _comparison_section(runs, labels)
@@ -408,8 +405,9 @@ def _markdown(runs: Sequence[Run], labels: Sequence[str], images: Sequence[tuple
     lines += ["## Plots", ""]
     for title, filename in images:
         lines += [f"### {title}", "", f"![{title}]({filename})", ""]
-    if tensorboard is not None:
-        lines += [f"TensorBoard event files: `{tensorboard}` (view with `tensorboard --logdir {tensorboard}`).", ""]
+    if event_dirs:
+        lines += ["TensorBoard event files (view with `tensorboard --logdir_spec label:dir,...` or `--logdir` a "
+                  "folder above them): " + ", ".join(f"`{d}`" for d in event_dirs) + ".", ""]
     return "\n".join(lines)
 
 
@@ -434,49 +432,42 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
     plots = (_plot_throughput, _plot_layout, _plot_accuracy, _plot_breakdown)
     for plot, (_, filename) in zip(plots, images):
         plot(runs, labels, out / filename)
-    tensorboard = None
-    if _tensorboard_available():
-        tensorboard = out / TENSORBOARD_DIR_NAME
-        for run, label in zip(runs, labels):
-            write_tensorboard(run.path, tensorboard / _safe_name(label))
-    (out / "report.md").write_text(_markdown(runs, labels, images, tensorboard), encoding="utf-8")
+    (out / "report.md").write_text(_markdown(runs, labels, images, _event_files(runs, labels, out)), encoding="utf-8")
     return out
 
 
-def _tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
+def _event_files(runs: Sequence[Run], labels: Sequence[str], out: Path) -> list[Path]:
+    """Each run's TensorBoard event directory: the one its training wrote live, or else a conversion of its
+    ``metrics.jsonl`` into ``out`` (never both, so ``tensorboard --logdir runs`` shows every run once)."""
+    found = []
+    for run, label in zip(runs, labels):
+        live = run.path / TENSORBOARD_DIR_NAME
+        converted = live if live.is_dir() else write_tensorboard(run.path, out / TENSORBOARD_DIR_NAME / _safe_name(label))
+        if converted is not None:
+            found.append(converted)
+    return found
 
 
-def write_tensorboard(run_dir: Path, out: Path | None = None) -> Path | None:
-    """Convert ``metrics.jsonl`` to TensorBoard event files in ``out`` (default ``<run dir>/tensorboard``).
-    Returns None, writing nothing, when the optional ``tensorboard`` package is not installed.
+def write_tensorboard(run_dir: Path, out: Path) -> Path | None:
+    """Convert a run's ``metrics.jsonl`` to TensorBoard event files in ``out`` (the scalars the trainer writes
+    live, for runs made without them and for several runs side by side). Returns None, writing nothing, when
+    the optional ``tensorboard`` package is not installed.
 
     Wall times are anchored so that TensorBoard's "relative" axis shows seconds since training started: the
     summary is written when training ends, so training started ``wall_time_s`` before its modification time.
     """
-    if not _tensorboard_available():
+    if not tensorboard_available():
         return None
     from torch.utils.tensorboard import SummaryWriter
 
     run = load_run(Path(run_dir))
-    out = Path(out) if out is not None else run.path / TENSORBOARD_DIR_NAME
     started = (run.path / "summary.json").stat().st_mtime - float(run.summary.get("wall_time_s") or 0.0)
-    skip = {"event", "step", "epoch", "wall_s"}
-    times = {f"{p}_s" for p in _phase_names(run.steps)} | {"step_s"}
     writer = SummaryWriter(log_dir=str(out))
     try:
-        for record in run.steps:
-            when = started + record["wall_s"]
-            for key, value in record.items():
-                if key in skip or not isinstance(value, (int, float)) or isinstance(value, bool):
-                    continue
-                group = "layout" if key in dict(LAYOUT_FIELDS) else "time" if key in times else "train"
-                writer.add_scalar(f"{group}/{key}", value, global_step=record["step"], walltime=when)
-        for record in run.evals:
-            writer.add_scalar("eval/accuracy", record["accuracy"], global_step=record["step"],
-                              walltime=started + record["wall_s"])
-        for record in run.freezes:
-            writer.add_scalar("freeze/frozen_layers", len(record.get("frozen", [])), global_step=record["step"])
+        for record in [*run.steps, *run.evals, *run.freezes]:
+            when = started + record["wall_s"] if "wall_s" in record else None
+            for tag, value in tensorboard_scalars(record):
+                writer.add_scalar(tag, value, global_step=record["step"], walltime=when)
     finally:
         writer.close()
-    return out
+    return Path(out)

@@ -37,7 +37,7 @@ from .dp.sync import GradientSync
 from .faults import maybe_fail
 from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
 from .freeze.policies import FreezeDecision
-from .metrics import JsonlWriter, StepTimer, write_json
+from .metrics import JsonlWriter, MetricsLog, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
 from .optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 from .pipe.cost import BlockCost
@@ -130,7 +130,8 @@ class Trainer:
         if resumed is not None:
             self._restore_optimizer(resumed.optimizer)
         append = resumed is not None
-        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", append) if self.env.is_main else None
+        self.metrics = (MetricsLog(self.run_dir, append=append, tensorboard=config.run.tensorboard,
+                                   next_step=self.progress.step + 1) if self.env.is_main else None)
         self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
                            if config.run.record_samples else None)
         self.total_steps = self._total_steps()
@@ -599,6 +600,7 @@ class Trainer:
         self.progress.checkpoints.append(record)
         if self.metrics is not None:
             self.metrics.write({"event": "checkpoint", **record})
+            self.metrics.flush()  # the events up to this checkpoint survive a kill; a resume continues from here
 
     def _resume_checkpoint(self) -> Checkpoint | None:
         """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank."""

@@ -93,6 +93,22 @@ def optimizer_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "optimizer.safetensors"))
 
 
+def event_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of one TensorBoard tag as TensorBoard itself shows it: every event file in
+    ``log_dir``, events a later writer purged left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every event, not a sample
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def logged_records(run_dir: Path, event: str) -> list[dict[str, Any]]:
+    """The records of one event kind in ``metrics.jsonl``, in the order they were written."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["event"] == event]
+
+
 def seen_samples(run_dir: Path) -> dict[int, list[int]]:
     """Per epoch, every sample index the replicas trained on in the steps that counted.
 

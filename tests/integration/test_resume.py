@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs import (JOB_TIMEOUT_S, assert_close_states, optimizer_state, run_job, seen_samples, signal_worker_after,
-                  start_job, summary, weights)
+from jobs import (JOB_TIMEOUT_S, assert_close_states, event_scalars, logged_records, optimizer_state, run_job,
+                  seen_samples, signal_worker_after, start_job, summary, weights)
 from pipetransformer.faults import FAULT_ENV
 
 pytestmark = pytest.mark.slow
@@ -27,14 +27,16 @@ COMMON = ("run.save_model=true", "run.record_samples=true", "deterministic=true"
           "freeze.interval_unit=steps", "freeze.schedule=[[9,2]]")
 
 
-def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rank", [1, 0], ids=["worker", "rank0-the-writer"])
+def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, rank: int) -> None:
+    """Rank 0 writes checkpoints and metrics; killing it checks that nothing it wrote is lost or half there."""
     reference = tmp_path / "uninterrupted"
     run_job(VIT, reference, *COMMON, nproc=2)
 
     crashed = tmp_path / "crashed"
     job = start_job(VIT, crashed, *COMMON, nproc=2, extra_args=("--max-restarts", "1"))
     # Past the checkpoint at step 6, mid-epoch 1.
-    killed = signal_worker_after(job, crashed, rank=1, steps=7, signum=signal.SIGKILL)
+    killed = signal_worker_after(job, crashed, rank=rank, steps=7, signum=signal.SIGKILL)
     output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
     assert killed, f"the job ended before a worker could be killed:\n{output[-3000:]}"
     assert job.returncode == 0, output[-5000:]
@@ -49,6 +51,9 @@ def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path) -> None:
     for epoch, indices in seen_samples(crashed).items():
         assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}: not every sample exactly once"
     assert len(seen_samples(crashed)) == 6
+    # TensorBoard shows each step once, the killed attempt's steps up to its checkpoint and the resumed run's after.
+    expected = [(s["step"], pytest.approx(s["loss"])) for s in logged_records(reference, "step")]
+    assert event_scalars(crashed / "tensorboard", "train/loss") == expected
 
 
 def test_sigterm_then_resume_on_fewer_workers_after_corrupt_newest_checkpoint(tmp_path: Path) -> None:

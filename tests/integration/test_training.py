@@ -6,13 +6,12 @@ pipeline or elastic machinery; only the float rounding of sums split across rank
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
+from jobs import assert_close_states, logged_records, optimizer_state, run_job, seen_samples, summary, weights
 
 pytestmark = pytest.mark.slow
 
@@ -113,8 +112,7 @@ def test_keep_per_pipeline_batch_policy_grows_batch_and_lr(tmp_path: Path) -> No
             "dp.batch_policy=keep_per_pipeline", "train.warmup_fraction=0.0", "train.lr_schedule=constant",
             "freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[2,3]]",
             "cache.enabled=true", nproc=2)
-    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["event"] == "step"]
+    steps = logged_records(tmp_path, "step")
     assert [s["dp_width"] for s in steps] == [1, 1, 2, 2]
     assert [s["global_batch"] for s in steps] == [16, 16, 32, 32]
     assert steps[2]["lr"] == pytest.approx(2 * steps[0]["lr"]), "linear scaling rule: lr grows with the width"

@@ -3,16 +3,16 @@ and from hand-written run directories whose numbers are known."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
-from jobs import run_job
+from jobs import event_scalars, logged_records, run_job
 from matplotlib.image import imread
 
 from pipetransformer.cli import main
@@ -222,28 +222,37 @@ def test_a_missing_directory_is_named(tmp_path: Path) -> None:
         write_report([good, tmp_path / "nowhere"], None)
 
 
-def test_tensorboard_absent_is_skipped_silently(tmp_path: Path) -> None:
-    if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed: the conversion test covers it")
+def test_tensorboard_absent_writes_no_event_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # how Python spells "not importable"
     run_dir = _write_run(tmp_path / "run", "plain", 2.0)
-    assert write_tensorboard(run_dir) is None
-    assert not (run_dir / "tensorboard").exists()
+    assert write_tensorboard(run_dir, tmp_path / "tb") is None
+    assert not (tmp_path / "tb").exists()
 
 
-def test_tensorboard_event_files_hold_the_metrics(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def test_training_logs_tensorboard_scalars_live(real_run: Path, tmp_path: Path) -> None:
+    """The 2-worker run's own event files hold what its metrics.jsonl holds, through its layout change."""
+    live = real_run / "tensorboard"
+    steps = logged_records(real_run, "step")
+    assert event_scalars(live, "train/loss") == [(s["step"], pytest.approx(s["loss"])) for s in steps]
+    assert event_scalars(live, "layout/dp_width") == [(s["step"], s["dp_width"]) for s in steps]
+    assert {1, 2} <= {width for _, width in event_scalars(live, "layout/dp_width")}, "the run changes its width"
+    assert event_scalars(live, "eval/accuracy") == \
+        [(e["step"], pytest.approx(e["accuracy"])) for e in logged_records(real_run, "eval")]
+    assert event_scalars(live, "freeze/frozen_layers") == [(3, 2.0)]
+    out = write_report([real_run], tmp_path / "report")
+    assert f"`{live}`" in (out / "report.md").read_text()
+    assert not (out / "tensorboard").exists(), "a run with live event files is not converted again"
 
+
+def test_tensorboard_conversion_holds_the_metrics(tmp_path: Path) -> None:
     run_dir = _write_run(tmp_path / "run", "tb", 2.0, steps=4, accuracy=0.75)
-    out = write_tensorboard(run_dir)
-    assert out == run_dir / "tensorboard"
-    events = EventAccumulator(str(out))
-    events.Reload()
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if m["event"] == "step"]
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s["step"], s["loss"]) for s in steps]
-    assert [e.value for e in events.Scalars("time/forward_s")] == pytest.approx([s["forward_s"] for s in steps])
-    assert [e.value for e in events.Scalars("layout/stages")] == [1.0] * len(steps)
-    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(4, 0.75)]
+    out = write_tensorboard(run_dir, tmp_path / "tb")
+    assert out == tmp_path / "tb"
+    steps = logged_records(run_dir, "step")
+    assert event_scalars(out, "train/loss") == [(s["step"], s["loss"]) for s in steps]
+    assert [v for _, v in event_scalars(out, "time/forward_s")] == pytest.approx([s["forward_s"] for s in steps])
+    assert [v for _, v in event_scalars(out, "layout/stages")] == [1.0] * len(steps)
+    assert event_scalars(out, "eval/accuracy") == [(4, 0.75)]
     report = write_report([run_dir], None)
-    assert (report / "tensorboard" / "tb").is_dir()
+    assert (report / "tensorboard" / "tb").is_dir(), "a run without live event files is converted"
+    assert f"`{report / 'tensorboard' / 'tb'}`" in (report / "report.md").read_text()

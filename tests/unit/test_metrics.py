@@ -1,0 +1,77 @@
+"""The run's metrics log: metrics.jsonl, and the same records as TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import event_scalars
+
+from pipetransformer.metrics import MetricsLog, tensorboard_scalars
+
+
+def _step(step: int, **fields: Any) -> dict[str, Any]:
+    return {"event": "step", "step": step, "epoch": 0, "loss": 2.0 / step, "lr": 1e-3, "samples_per_s": 32.0,
+            "step_s": 0.5, "global_batch": 16, "frozen_layers": 0, "stages": 1, "dp_width": 1, "micro_batches": 1,
+            "allreduce_bytes": 0, "wall_s": 0.5 * step, **fields}
+
+
+def test_tensorboard_scalars_group_each_record() -> None:
+    record = _step(2, frozen_layers=2, dp_width=2, micro_batches=4, forward_backward_s=0.3,
+                   layer_grad_norms=[1.0, 2.0], cache_hit_rate=1.0, cache_seconds_saved=0.1, resumed=True)
+    assert dict(tensorboard_scalars(record)) == {
+        "train/loss": 1.0, "train/lr": 1e-3, "train/samples_per_s": 32.0, "train/global_batch": 16.0,
+        "train/allreduce_bytes": 0.0, "train/cache_hit_rate": 1.0, "train/cache_seconds_saved": 0.1,
+        "time/step_s": 0.5, "time/forward_backward_s": 0.3, "layout/frozen_layers": 2.0, "layout/stages": 1.0,
+        "layout/dp_width": 2.0, "layout/micro_batches": 4.0}
+    assert tensorboard_scalars({"event": "eval", "step": 3, "accuracy": 0.75}) == [("eval/accuracy", 0.75)]
+    assert tensorboard_scalars({"event": "freeze", "step": 3, "frozen": [0, 1]}) == [("freeze/frozen_layers", 2.0)]
+    assert tensorboard_scalars({"event": "checkpoint", "step": 3, "bytes": 10}) == []
+
+
+def test_after_flush_every_event_is_on_disk_while_the_run_goes_on(tmp_path: Path) -> None:
+    """What the trainer's flush at a checkpoint promises: a run killed after it keeps the events up to it."""
+    log = MetricsLog(tmp_path, append=False, tensorboard=True, next_step=1)
+    try:
+        for step in (1, 2, 3):
+            log.write(_step(step))
+        log.flush()
+        assert event_scalars(tmp_path / "tensorboard", "train/loss") == [(1, 2.0), (2, 1.0), (3, pytest.approx(2 / 3))]
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    finally:
+        log.close()
+
+
+def test_a_resumed_log_replaces_the_steps_after_its_checkpoint(tmp_path: Path) -> None:
+    """Steps 1-4 logged, killed, resumed from a checkpoint at step 2: TensorBoard shows 1, 2 and the new 3, 4."""
+    first = MetricsLog(tmp_path, append=False, tensorboard=True, next_step=1)
+    for step in (1, 2, 3, 4):
+        first.write(_step(step))
+    first.close()
+    resumed = MetricsLog(tmp_path, append=True, tensorboard=True, next_step=3)
+    for step in (3, 4):
+        resumed.write(_step(step, loss=10.0 + step))
+    resumed.close()
+    assert event_scalars(tmp_path / "tensorboard", "train/loss") == [(1, 2.0), (2, 1.0), (3, 13.0), (4, 14.0)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6  # the JSON log keeps both attempts
+
+
+def test_without_tensorboard_only_the_json_log_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # how Python spells "not importable"
+    log = MetricsLog(tmp_path, append=False, tensorboard=True, next_step=1)
+    log.write(_step(1))
+    log.flush()
+    log.close()
+    assert (tmp_path / "metrics.jsonl").is_file()
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_off_writes_no_event_files(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path, append=False, tensorboard=False, next_step=1)
+    log.write(_step(1))
+    log.close()
+    assert not (tmp_path / "tensorboard").exists()
