@@ -406,8 +406,8 @@ def _markdown(runs: Sequence[Run], labels: Sequence[str], images: Sequence[tuple
     for title, filename in images:
         lines += [f"### {title}", "", f"![{title}]({filename})", ""]
     if event_dirs:
-        lines += ["TensorBoard event files (view with `tensorboard --logdir_spec label:dir,...` or `--logdir` a "
-                  "folder above them): " + ", ".join(f"`{d}`" for d in event_dirs) + ".", ""]
+        lines += ["TensorBoard event files (`tensorboard --logdir` a folder above them): "
+                  + ", ".join(f"`{d}`" for d in event_dirs) + ".", ""]
     return "\n".join(lines)
 
 
@@ -442,9 +442,9 @@ def _event_files(runs: Sequence[Run], labels: Sequence[str], out: Path) -> list[
     found = []
     for run, label in zip(runs, labels):
         live = run.path / TENSORBOARD_DIR_NAME
-        converted = live if live.is_dir() else write_tensorboard(run.path, out / TENSORBOARD_DIR_NAME / _safe_name(label))
-        if converted is not None:
-            found.append(converted)
+        events = live if live.is_dir() else write_tensorboard(run.path, out / TENSORBOARD_DIR_NAME / _safe_name(label))
+        if events is not None:
+            found.append(events)
     return found
 
 
