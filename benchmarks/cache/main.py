@@ -267,9 +267,9 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, obj
     torch.manual_seed(SEED)
     tokenizer = load_tokenizer(minilm_path())
     num_samples = settings.steps_per_round * BATCH_SIZE
-    train, _ = load_datasets(
+    train = load_datasets(
         "rotten_tomatoes", tokenizer=tokenizer, max_length=FIXED_LENGTH, seed=SEED, max_train_samples=num_samples
-    )
+    ).train
     order = seeded_permutation(num_samples, SEED)
     chunks = [order[i : i + BATCH_SIZE] for i in range(0, num_samples, BATCH_SIZE)]
     base = build_model("minilm", num_labels=NUM_LABELS)

@@ -72,7 +72,7 @@ def main() -> None:
     torch.manual_seed(SEED)
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    train, _ = load_datasets("rotten_tomatoes", tokenizer=tokenizer, max_length=MAX_LENGTH, seed=SEED)
+    train = load_datasets("rotten_tomatoes", tokenizer=tokenizer, max_length=MAX_LENGTH, seed=SEED).train
     model = DistributedDataParallel(MeanPoolClassifier(path, NUM_CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     loss_fn = nn.CrossEntropyLoss()

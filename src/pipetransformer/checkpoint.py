@@ -81,8 +81,13 @@ RESUME_CONFIG_KEYS: tuple[str, ...] = (
     "model.vit",
     "data.name",
     "data.path",
+    "data.test_path",
+    "data.text_column",
+    "data.label_column",
     "data.max_length",
+    "data.split_seed",
     "data.validation_fraction",
+    "data.test_fraction",
     "data.max_train_samples",
     "train.optimizer",
 )

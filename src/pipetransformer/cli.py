@@ -197,12 +197,16 @@ def _replay(args: argparse.Namespace) -> int:
     config = load_config(args.config or run_dir / "config.yaml", args.overrides)
     f = config.freeze
     try:
-        policy = policy_from_settings(f, len(steps[0].layer_grad_norms), seed=config.seed)
+        policy = policy_from_settings(f, len(steps[0].layer_grad_norms), seed=config.seed, total_steps=len(steps))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
-          f"percentile={f.percentile} max_change={f.max_change} over {len(steps)} steps of {run_dir}")
-    decisions = replay(policy, steps)
+          f"threshold={f.threshold} percentile={f.percentile} max_change={f.max_change} over {len(steps)} steps of "
+          f"{run_dir}")
+    try:
+        decisions = replay(policy, steps)
+    except ValueError as error:  # e.g. the policy needs signals the run did not log
+        raise ConfigError(str(error)) from None
     for decision in decisions:
         print(f"step {decision.step} (epoch {decision.epoch}): {len(decision.frozen)} layers frozen "
               f"{sorted(decision.frozen)}")
@@ -222,14 +226,12 @@ def _pretrain(args: argparse.Namespace) -> int:
     _check_before_launch(config, world_size=1)
     import torch
 
-    from .data import load_datasets
+    from .data import datasets_from_config
     from .models import build_model
     from .models.pretrain import masked_patch_pretrain
     from .models.vit import save_vit_backbone
     torch.manual_seed(config.seed)
-    d = config.data
-    train_set, _ = load_datasets(d.name, path=d.path, validation_fraction=d.validation_fraction, seed=config.seed,
-                                 max_train_samples=d.max_train_samples)
+    train_set = datasets_from_config(config.data, tokenizer=None).train  # no validation or test images
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
     try:
         model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path,

@@ -66,11 +66,17 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: Literal["rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"] = "rotten_tomatoes"  # see README
-    path: str | None = None  # text_csv / image_folder
+    path: str | None = None  # text_csv: the CSV file; image_folder: the folder
+    test_path: str | None = None  # text_csv: a CSV of test rows (same columns); null = a seeded test split of path
+    text_column: str = "text"  # text_csv: the column holding the text
+    label_column: str = "label"  # text_csv: the column holding the label (class ids, or names)
     max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
-    validation_fraction: float = 0.1  # seeded held-out split (Fashion-MNIST uses its own test set)
+    split_seed: int = 0  # fixes the validation/test split and the subsets, apart from seed: every training seed is scored on the same data
+    validation_fraction: float = 0.1  # of the training data: evaluations during training, best-model selection, tuning
+    test_fraction: float = 0.1  # of the data, when the data set has no test split of its own; evaluated once, at the end
     max_train_samples: int | None = None  # seeded subset, for quick runs
-    max_eval_samples: int | None = None  # seeded subset of the evaluation set
+    max_eval_samples: int | None = None  # seeded subset of the validation split
+    max_test_samples: int | None = None  # seeded subset of the test split
 
 
 @dataclass
@@ -102,14 +108,16 @@ class DistConfig:
 @dataclass
 class FreezeConfig:
     enabled: bool = False  # AutoFreeze
-    policy: Literal["gradient", "geometric", "schedule", "random", "none"] = "gradient"  # gradient: the paper's AutoFreeze
-    interval: int = 1  # decision window length, in interval_unit
-    interval_unit: Literal["steps", "epochs"] = "epochs"
-    alpha: float = 0.25  # geometric pace: fraction of the remaining layers frozen per decision
+    policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "gradient"  # coherence: freeze layers whose gradient became noise; gradient: the paper's test
+    interval: int | float = 1  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
+    interval_unit: Literal["steps", "epochs", "fraction"] = "epochs"  # fraction: of the run's planned steps
+    min_window_steps: int = 20  # interval_unit fraction: no window shorter than this many steps
+    alpha: float = 0.25  # geometric pace, the safety cap of coherence/gradient: fraction of the remaining layers frozen per decision
+    threshold: float = 0.1  # coherence policy: a layer whose gradient coherence is below this has converged
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     max_fraction: float = 0.84  # at most this fraction of the layers ever freezes
-    schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...]
+    schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 
 
 @dataclass
@@ -169,7 +177,7 @@ class Config:
             "train.eval_batch_size": self.train.eval_batch_size,
             "data.max_length": self.data.max_length,
             "run.log_every": self.run.log_every,
-            "freeze.interval": self.freeze.interval,
+            "freeze.min_window_steps": self.freeze.min_window_steps,
             "checkpoint.keep": self.checkpoint.keep,
         }
         for key, value in positive.items():
@@ -179,6 +187,7 @@ class Config:
             "train.max_steps": self.train.max_steps,
             "data.max_train_samples": self.data.max_train_samples,
             "data.max_eval_samples": self.data.max_eval_samples,
+            "data.max_test_samples": self.data.max_test_samples,
             "train.eval_every_steps": self.train.eval_every_steps,
             "checkpoint.every_steps": self.checkpoint.every_steps,
         }.items():
@@ -204,8 +213,16 @@ class Config:
                               f"got {self.train.layer_lr_decay}")
         if not 0.0 <= self.train.warmup_fraction < 1.0:
             raise ConfigError(f"train.warmup_fraction must be in [0, 1), got {self.train.warmup_fraction}")
-        if not 0.0 < self.data.validation_fraction < 1.0:
-            raise ConfigError(f"data.validation_fraction must be in (0, 1), got {self.data.validation_fraction}")
+        for key, fraction in (("data.validation_fraction", self.data.validation_fraction),
+                              ("data.test_fraction", self.data.test_fraction)):
+            if not 0.0 < fraction < 1.0:
+                raise ConfigError(f"{key} must be in (0, 1), got {fraction}")
+        if self.data.validation_fraction + self.data.test_fraction >= 1.0:
+            raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1 so training keeps data, got "
+                              f"{self.data.validation_fraction} + {self.data.test_fraction}")
+        self._validate_freeze_interval()
+        if not 0.0 < self.freeze.threshold < 1.0:
+            raise ConfigError(f"freeze.threshold must be in (0, 1), got {self.freeze.threshold}")
         if not 0.0 < self.freeze.alpha <= 1.0:
             raise ConfigError(f"freeze.alpha must be in (0, 1], got {self.freeze.alpha}")
         if not 0.0 <= self.freeze.percentile <= 100.0:
@@ -238,8 +255,21 @@ class Config:
                               "use model.kind vit for image data and minilm/hf for text")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:
             raise ConfigError(f"data.name={self.data.name} needs data.path")
+        if self.data.test_path is not None and self.data.name != "text_csv":
+            raise ConfigError(f"data.test_path is for text_csv; data.name={self.data.name} has its test split built in "
+                              "(image_folder: put test files in its folder)")
         if self.model.kind == "hf" and not (self.model.path or self.model.hf_config):
             raise ConfigError("model.kind=hf needs model.path (pretrained directory) or model.hf_config")
+
+    def _validate_freeze_interval(self) -> None:
+        interval, unit = self.freeze.interval, self.freeze.interval_unit
+        if unit == "fraction":
+            if not 0.0 < interval <= 1.0:
+                raise ConfigError(f"freeze.interval must be in (0, 1] with interval_unit: fraction (0.05 = every 5% "
+                                  f"of the run), got {interval}")
+        elif not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"freeze.interval must be an integer >= 1 with interval_unit: {unit}, got {interval}; "
+                              "for a share of the run set interval_unit: fraction")
 
     def _validate_schedule(self) -> None:
         """The shape of ``freeze.schedule``; the bound by the model's layer count is checked by the policy."""

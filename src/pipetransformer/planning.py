@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 from .config import Config
-from .data import load_datasets
+from .data import datasets_from_config
 from .models import build_model, load_tokenizer, minilm_path
 from .pipe.cost import BlockCost
 from .pipe.partition import bubble_fraction, predict_step_time
@@ -27,9 +28,7 @@ PROFILE_BATCH = 8
 
 def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
-    train, _ = load_datasets(config.data.name, tokenizer=tokenizer, max_length=config.data.max_length,
-                             path=config.data.path, validation_fraction=config.data.validation_fraction,
-                             seed=config.seed, max_train_samples=PROFILE_BATCH, max_eval_samples=1)
+    train = datasets_from_config(replace(config.data, max_train_samples=PROFILE_BATCH), tokenizer).train
     model = build_model(config.model.kind, num_labels=train.num_classes, path=config.model.path,
                         hf_config=config.model.hf_config, pooling=config.model.pooling,
                         vit=dict(config.model.vit) if config.model.kind == "vit" else None,

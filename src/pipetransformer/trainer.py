@@ -28,14 +28,16 @@ from .cache.store import ActivationStore, StoreLayout, spec_from_activation
 from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, check_compatible, latest_valid_checkpoint,
                          load_checkpoint, model_fingerprint, save_checkpoint)
 from .config import Config, ConfigError, config_to_dict
-from .data import load_datasets
+from .control import ControlVector
+from .data import datasets_from_config
 from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
 from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
-from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
+from .freeze import (PreviousGradients, block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers,
+                     policy_from_settings)
 from .freeze.policies import FreezeDecision
 from .metrics import JsonlWriter, MetricsLog, StepTimer, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 LENGTH_BUCKET = 8
 """Pipelined text batches are padded up to a multiple of this, so stages see few distinct shapes."""
 PROFILE_BATCH = 8
+BEST_VALIDATION_DIR = "best-validation"
+"""Under the checkpoint directory: the weights of the best validation accuracy, tested once at the end."""
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
 
@@ -96,7 +100,9 @@ class Trainer:
         self.run_dir = self._resolve_run_dir()
         # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
         self.tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
-        self.train_set, self.eval_set = self._datasets()
+        # The validation split (eval_set) serves evaluations during training; the test split is evaluated once, at
+        # the end, and nothing during training (steps, freeze decisions, evaluations) ever reads it.
+        self.train_set, self.eval_set, self.test_set = datasets_from_config(config.data, self.tokenizer)
         try:
             self.model: BlockSequence = build_model(
                 config.model.kind, num_labels=self.train_set.num_classes, path=config.model.path,
@@ -108,11 +114,17 @@ class Trainer:
         self.model.train()
         self.num_blocks = len(self.model)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
+        self.total_steps = self._total_steps()
         f = config.freeze
         try:
-            self.policy = policy_from_settings(f, self.model.num_layers, seed=config.seed, enabled=f.enabled)
+            self.policy = policy_from_settings(f, self.model.num_layers, seed=config.seed,
+                                               total_steps=self.total_steps, enabled=f.enabled)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self._warn_if_freeze_cannot_fire()
+        # g_t . g_{t-1} per layer: the coherence policy's signal, and logged for replay when every step is logged.
+        self.previous_grads = (PreviousGradients() if self.policy.name == "coherence" or config.run.log_every == 1
+                               else None)
         self.progress = _Progress()
         self.initial_width: int | None = None
         self.checkpoint_dir = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
@@ -134,10 +146,10 @@ class Trainer:
                                    next_step=self.progress.step + 1) if self.env.is_main else None)
         self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
                            if config.run.record_samples else None)
-        self.total_steps = self._total_steps()
         self._loss_denominator = 1
         self._allreduce_bytes = 0
         self._layer_norms: list[float] = []
+        self._layer_dots: list[float | None] | None = None
         self._started = time.perf_counter()
         self._sigterm_received = False  # this rank, set by the signal handler at any moment
         self._stop_requested = False  # agreed by all ranks through the control vector, so all stop at one step
@@ -159,12 +171,6 @@ class Trainer:
         if self.env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
-
-    def _datasets(self) -> tuple[IndexedDataset, IndexedDataset]:
-        d = self.config.data
-        return load_datasets(d.name, tokenizer=self.tokenizer, max_length=d.max_length, path=d.path,
-                             validation_fraction=d.validation_fraction, seed=self.config.seed,
-                             max_train_samples=d.max_train_samples, max_eval_samples=d.max_eval_samples)
 
     def _example_inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
         rows = min(rows, len(self.train_set))
@@ -189,6 +195,18 @@ class Trainer:
         per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
         total = per_epoch * self.config.train.epochs
         return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+
+    def _warn_if_freeze_cannot_fire(self) -> None:
+        """A decision window longer than the run freezes nothing: say so before training, once."""
+        f = self.config.freeze
+        if not f.enabled or f.policy not in ("coherence", "gradient", "geometric", "random") or not self.env.is_main:
+            return
+        steps_per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
+        window = self.policy.interval * (steps_per_epoch if self.policy.interval_unit == "epochs" else 1)
+        needed = window * (2 if f.policy == "gradient" else 1)  # the gradient test compares two windows
+        if needed > self.total_steps:
+            logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will freeze; "
+                           "shorten freeze.interval (or use interval_unit: fraction)", needed, self.total_steps)
 
     # ----------------------------------------------------------------------------------- layout
     def _frozen_prefix_blocks(self) -> int:
@@ -400,10 +418,10 @@ class Trainer:
                 self._allreduce_bytes = self.sync.synchronize()
         with timer.phase("control"):
             control = self._control_vector(held, loss_sum)
-        layer_sq = control[: self.model.num_layers]
-        total_norm = math.sqrt(float(control[self.model.num_layers]))
-        self._check_finite(float(control[-1]), total_norm, layer_sq)
-        self._stop_requested = bool(control[-2] > 0)
+        total_norm = math.sqrt(float(control.total_grad_sq))
+        loss = float(control.loss)
+        self._check_finite(loss, total_norm, control.layer_grad_sq)
+        self._stop_requested = bool(control.stop_requests > 0)
         with timer.phase("optimizer"):
             if self.optimizer is not None:
                 clip = self.config.train.grad_clip
@@ -415,26 +433,28 @@ class Trainer:
                 set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        self._layer_norms = [math.sqrt(float(v)) for v in layer_sq]
-        self.policy.observe(self._layer_norms)
-        return float(control[-1])
+        self._layer_norms = control.layer_grad_norms()
+        self._layer_dots = control.layer_dots() if self.previous_grads is not None else None
+        self.policy.observe(self._layer_norms, self._layer_dots)
+        return loss
 
-    def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> torch.Tensor:
-        """[per-layer grad sq norms..., total grad sq norm, stop requests, loss]: summed over the world, so every rank
-        (idle ones too) decides the same. Gradients count from replica 0 only (replicas hold equal ones
-        after sync); the loss from every last stage."""
+    def _control_vector(self, held: _Held, loss_sum: torch.Tensor) -> ControlVector:
+        """Summed over the world, so every rank (idle ones too) decides the same. Gradients count from replica 0
+        only (replicas hold equal ones after sync); the loss from every last stage."""
         layers = self.model.num_layers
-        vector = torch.zeros(layers + 3, dtype=torch.float64)
-        vector[-2] = float(self._sigterm_received)
+        control = ControlVector.zeros(layers)
+        control.stop_requests[0] = float(self._sigterm_received)
         if held.replica == 0:
             blocks = block_grad_sq_norms(self.model, range(*held.blocks))
-            vector[:layers] = blocks[1:layers + 1]
-            vector[layers] = blocks.sum()
+            control.layer_grad_sq[:] = blocks[1:layers + 1]
+            control.total_grad_sq[0] = blocks.sum()
+            if self.previous_grads is not None:
+                dots, valid = self.previous_grads.block_dots(self.model, range(*held.blocks))
+                control.layer_grad_dots[:] = dots[1:layers + 1]
+                control.layer_dot_valid[:] = valid[1:layers + 1]
         if held.stage is not None and held.stage == held.plan.layout.num_stages - 1:
-            vector[-1] = loss_sum
-        if self.env.distributed:
-            dist.all_reduce(vector)
-        return vector
+            control.loss[0] = loss_sum
+        return control.all_reduce() if self.env.distributed else control
 
     # ----------------------------------------------------------------------------------- freeze
     def _apply_decision(self, decision: FreezeDecision) -> None:
@@ -448,8 +468,10 @@ class Trainer:
         self.held = self._adopt(self._plan(), previous=self.held)
 
     # ----------------------------------------------------------------------------------- eval
-    def evaluate(self) -> float:
-        """Accuracy on the evaluation set, sharded over every rank with the full current model."""
+    def evaluate(self, dataset: IndexedDataset | None = None) -> float:
+        """Accuracy on ``dataset`` (default: the validation split), sharded over every rank with the full current
+        model. Only validation samples go through the cache: the test split is evaluated once."""
+        dataset = self.eval_set if dataset is None else dataset
         plan = self.held.plan
         if self.env.distributed and (plan.layout.num_stages > 1 or plan.layout.world_size < self.env.world_size):
             owners = {b: plan.layout.rank(0, s) for s, (start, end) in enumerate(plan.held_bounds())
@@ -457,11 +479,12 @@ class Trainer:
             broadcast_blocks(self.model, owners, range(self.num_blocks))
         self.model.eval()
         correct = torch.zeros(2, dtype=torch.float64)
-        indices = list(range(self.env.rank, len(self.eval_set), self.env.world_size))
+        indices = list(range(self.env.rank, len(dataset), self.env.world_size))
         size = self.config.train.eval_batch_size
         for start in range(0, len(indices), size):
-            batch = self.eval_set.get_batch(indices[start:start + size])
-            correct[0] += (self.eval_logits(batch).argmax(-1).cpu() == batch.labels).sum().item()
+            batch = dataset.get_batch(indices[start:start + size])
+            logits = self.eval_logits(batch, use_cache=dataset is self.eval_set)
+            correct[0] += (logits.argmax(-1).cpu() == batch.labels).sum().item()
             correct[1] += len(batch)
         self.model.train()
         if self.env.distributed:
@@ -484,13 +507,47 @@ class Trainer:
         return self.model.forward_range(activation, boundary, self.num_blocks)[0]
 
     def _record_eval(self, started: float) -> None:
+        best_before = max((e["accuracy"] for e in self.progress.eval_history), default=None)
         accuracy = self.evaluate()
         entry = {"epoch": self.progress.epoch, "step": self.progress.step, "accuracy": accuracy,
                  "wall_s": time.perf_counter() - started}
         self.progress.eval_history.append(entry)
         if self.metrics is not None:
-            self.metrics.write({"event": "eval", **entry})
-        logger.info("eval step %d: accuracy %.4f", self.progress.step, accuracy)
+            self.metrics.write({"event": "eval", "split": "validation", "samples": len(self.eval_set), **entry})
+        if self.env.is_main:
+            logger.info("eval step %d: validation accuracy %.4f", self.progress.step, accuracy)
+        if best_before is None or accuracy > best_before:
+            self._save_best_validation(accuracy)
+
+    def _best_validation_dir(self) -> Path:
+        return self.checkpoint_dir / BEST_VALIDATION_DIR
+
+    def _save_best_validation(self, accuracy: float) -> None:
+        """Keep the weights of the best validation accuracy so far (with checkpoints on), for one test at the end.
+
+        ``evaluate`` has just given every rank the whole current model, so rank 0 writes it alone."""
+        if not self.config.checkpoint.enabled or not self.env.is_main:
+            return
+        weights = {name: t.detach().contiguous() for name, t in self.model.state_dict().items()}
+        save_checkpoint(self._best_validation_dir(), self.progress.step, weights, {},
+                        {"validation_accuracy": accuracy}, keep=1)
+
+    def _test(self) -> dict[str, Any]:
+        """The one evaluation of the test split: the final model, then the best-validation one when it was kept."""
+        result: dict[str, Any] = {"test_accuracy": self.evaluate(self.test_set), "test_samples": len(self.test_set),
+                                  "test_accuracy_at_best_validation": None, "best_validation_step": None}
+        best = latest_valid_checkpoint(self._best_validation_dir()) if self.config.checkpoint.enabled else None
+        if best is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(best.weights)
+            result["test_accuracy_at_best_validation"] = self.evaluate(self.test_set)
+            result["best_validation_step"] = best.step
+        if self.metrics is not None:
+            self.metrics.write({"event": "test", "step": self.progress.step, **result})
+        if self.env.is_main:
+            logger.info("test accuracy %.4f (final model), %s at best validation", result["test_accuracy"],
+                        result["test_accuracy_at_best_validation"])
+        return result
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
@@ -533,7 +590,7 @@ class Trainer:
                         self.save_checkpoint(started)
                     if self._stop_requested:
                         logger.warning("SIGTERM: checkpoint written at step %d, stopping", self.progress.step)
-                        return self._finish(started)
+                        return self._finish(started, completed=False)
                 if not cfg.eval_every_steps:
                     self._record_eval(started)
                 decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
@@ -563,12 +620,15 @@ class Trainer:
         """
         self._sigterm_received = True
 
-    def _finish(self, started: float) -> dict[str, Any]:
+    def _finish(self, started: float, completed: bool = True) -> dict[str, Any]:
+        """The summary; a completed run also evaluates the test split (outside its wall time)."""
         summary = self._summary(time.perf_counter() - started)
-        if self.env.is_main:
-            write_json(self.run_dir / "summary.json", summary)
         if self.config.run.save_model:
             self.save_model(self.run_dir)
+        if completed:
+            summary.update(self._test())
+        if self.env.is_main:
+            write_json(self.run_dir / "summary.json", summary)
         return summary
 
     # ----------------------------------------------------------------------------------- checkpoints
@@ -691,8 +751,11 @@ class Trainer:
                   "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
-                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes, "layer_grad_norms": self._layer_norms,
+                  "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes,
+                  "layer_grad_norms": self._layer_norms,
                   "wall_s": time.perf_counter() - self._started, **timer.as_record()}
+        if self._layer_dots is not None:
+            record["layer_grad_dots"] = self._layer_dots
         if self.cache is not None:
             m = self.cache.metrics()
             record.update({"cache_hit_rate": m.hit_rate, "cache_memory_bytes": m.memory_used_bytes,

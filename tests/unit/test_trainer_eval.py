@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -46,3 +47,41 @@ def test_step_evaluations_replace_epoch_end_ones_and_the_final_model_is_evaluate
     finally:
         trainer.close()
     assert [e["step"] for e in summary["eval_history"]] == [5, 10, 15, 16]
+
+
+def _train(tmp_path: Path, *overrides: str) -> tuple[dict[str, object], list[dict[str, object]]]:
+    config = load_config(ROOT / "configs" / "tiny_text.yaml", [f"run.dir={tmp_path}", *overrides])
+    trainer = Trainer(config)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+COHERENCE_FREEZING = ("freeze.enabled=true", "freeze.policy=coherence", "freeze.interval=4",
+                     "freeze.interval_unit=steps", "freeze.threshold=0.9", "freeze.alpha=0.5", "cache.enabled=true",
+                     "train.eval_every_steps=4")
+
+
+def test_the_test_split_is_evaluated_once_at_the_end_and_never_steers_training(tmp_path: Path) -> None:
+    summary, records = _train(tmp_path / "a", *COHERENCE_FREEZING, "data.max_test_samples=96")
+    events = [r["event"] for r in records]
+    assert events.count("test") == 1 and events.index("test") > max(i for i, e in enumerate(events) if e == "step")
+    assert all(r["split"] == "validation" and r["samples"] == 128 for r in records if r["event"] == "eval")
+    assert summary["test_samples"] == 96 and 0.0 <= summary["test_accuracy"] <= 1.0
+    assert summary["freeze_decisions"], "the run should freeze, so freeze decisions are compared below"
+    best = max(summary["eval_history"], key=lambda e: e["accuracy"])  # the first of equal accuracies
+    assert summary["best_validation_step"] == best["step"]
+    assert summary["test_accuracy_at_best_validation"] is not None
+    # Another test split (a subset of it) changes nothing before the test: training never reads it.
+    other, other_records = _train(tmp_path / "b", *COHERENCE_FREEZING, "data.max_test_samples=32")
+    assert other["test_samples"] == 32
+
+    def training(rs: list[dict[str, object]]) -> list[dict[str, object]]:
+        """Everything but timings."""
+        return [{k: v for k, v in r.items() if not k.endswith("_s") and "seconds" not in k}
+                for r in rs if r["event"] in ("step", "eval", "freeze")]
+
+    assert training(other_records) == training(records)

@@ -1,26 +1,33 @@
-"""Datasets by name, all offline: each returns ``(train, evaluation)`` indexed datasets with dense sample indices."""
+"""Datasets by name, all offline: each returns train / validation / test indexed datasets with dense sample indices."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipetransformer.data.batch import (
     Batch,
+    DataSplits,
     DatasetUnavailableError,
     IndexedDataset,
     Item,
+    held_out_splits,
     seeded_permutation,
+    split_off,
     split_train_validation,
 )
 from pipetransformer.data.images import (
+    FASHION_MNIST_ROOT,
     ImageDataset,
     load_digits_images,
     load_fashion_mnist,
     load_image_folder,
 )
 from pipetransformer.data.text import (
+    DEFAULT_LABEL_COLUMN,
     DEFAULT_MAX_LENGTH,
+    DEFAULT_TEXT_COLUMN,
     TextDataset,
     load_rotten_tomatoes,
     load_text_csv,
@@ -29,15 +36,20 @@ from pipetransformer.data.text import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pipetransformer.config import DataConfig
+
 __all__ = [
     "DATASET_NAMES",
     "TEXT_DATASETS",
     "Batch",
+    "DataSplits",
     "DatasetUnavailableError",
     "ImageDataset",
     "IndexedDataset",
     "Item",
     "TextDataset",
+    "datasets_from_config",
+    "held_out_splits",
     "load_datasets",
     "load_digits_images",
     "load_fashion_mnist",
@@ -45,6 +57,7 @@ __all__ = [
     "load_rotten_tomatoes",
     "load_text_csv",
     "seeded_permutation",
+    "split_off",
     "split_train_validation",
 ]
 
@@ -53,6 +66,11 @@ IMAGE_DATASETS = ("fashion_mnist", "digits", "image_folder")
 DATASET_NAMES = TEXT_DATASETS + IMAGE_DATASETS
 PATH_DATASETS = ("text_csv", "image_folder")
 DEFAULT_VALIDATION_FRACTION = 0.1
+DEFAULT_TEST_FRACTION = 0.1
+MIN_HELD_OUT_ROWS = 30
+"""Below this, one sample moves a held-out accuracy by more than 3 points: say so before training."""
+
+logger = logging.getLogger(__name__)
 
 
 def load_datasets(
@@ -61,16 +79,22 @@ def load_datasets(
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_length: int = DEFAULT_MAX_LENGTH,
     path: str | Path | None = None,
+    test_path: str | Path | None = None,
+    text_column: str = DEFAULT_TEXT_COLUMN,
+    label_column: str = DEFAULT_LABEL_COLUMN,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
     seed: int = 0,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
-) -> tuple[IndexedDataset, IndexedDataset]:
-    """``(train, evaluation)`` for a data set name, optionally cut to seeded subsets (re-numbered from 0).
+    max_test_samples: int | None = None,
+) -> DataSplits[IndexedDataset]:
+    """Train / validation / test for a data set name, each optionally cut to a seeded subset (re-numbered from 0).
 
-    Evaluation is a seeded validation split, except for ``fashion_mnist`` and an ``image_folder``
-    with test files, whose own test split is used (``validation_fraction`` is then unused). For
-    ``fashion_mnist``, ``path`` overrides the default Debian folder.
+    Validation is always a ``seed``-ed fraction of the training data. Test is the data set's own test split where
+    it has one (``fashion_mnist``, an ``image_folder`` with test files, ``text_csv`` with ``test_path``), otherwise
+    another ``seed``-ed fraction (``test_fraction`` is then unused). ``seed`` fixes the split only: pass the same
+    one for every training seed so every run is scored on the same test set.
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
@@ -80,24 +104,46 @@ def load_datasets(
         raise ValueError(
             f"{name} reads your own files: pass path= (a CSV file for text_csv, a folder for image_folder)"
         )
-    train: IndexedDataset
-    evaluation: IndexedDataset
+    if test_path is not None and name != "text_csv":
+        raise ValueError(f"data.test_path is for text_csv; {name} has its test split built in (or in its folder)")
+    splits: DataSplits[IndexedDataset]
     if name == "rotten_tomatoes":
         assert tokenizer is not None
-        train, evaluation = load_rotten_tomatoes(tokenizer, max_length, validation_fraction, seed)
+        splits = load_rotten_tomatoes(tokenizer, max_length, validation_fraction, test_fraction, seed)
     elif name == "text_csv":
         assert tokenizer is not None and path is not None
-        train, evaluation = load_text_csv(
-            path, tokenizer, max_length=max_length, validation_fraction=validation_fraction, seed=seed
-        )
+        splits = load_text_csv(path, tokenizer, text_column=text_column, label_column=label_column,
+                               max_length=max_length, validation_fraction=validation_fraction,
+                               test_fraction=test_fraction, seed=seed, test_path=test_path)
     elif name == "fashion_mnist":
-        train, evaluation = load_fashion_mnist() if path is None else load_fashion_mnist(path)
+        splits = load_fashion_mnist(path or FASHION_MNIST_ROOT, validation_fraction, seed)
     elif name == "digits":
-        train, evaluation = load_digits_images(validation_fraction, seed)
+        splits = load_digits_images(validation_fraction, test_fraction, seed)
     else:
         assert path is not None
-        train, evaluation = load_image_folder(path, validation_fraction, seed)
-    return _at_most(train, max_train_samples, seed), _at_most(evaluation, max_eval_samples, seed)
+        splits = load_image_folder(path, validation_fraction, test_fraction, seed)
+    splits = DataSplits(_at_most(splits.train, max_train_samples, seed),
+                        _at_most(splits.validation, max_eval_samples, seed),
+                        _at_most(splits.test, max_test_samples, seed))
+    _warn_if_small(splits)
+    return splits
+
+
+def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> DataSplits[IndexedDataset]:
+    """``load_datasets`` with every setting of a config's ``data`` section."""
+    return load_datasets(data.name, tokenizer=tokenizer, max_length=data.max_length, path=data.path,
+                         test_path=data.test_path, text_column=data.text_column, label_column=data.label_column,
+                         validation_fraction=data.validation_fraction, test_fraction=data.test_fraction,
+                         seed=data.split_seed, max_train_samples=data.max_train_samples,
+                         max_eval_samples=data.max_eval_samples, max_test_samples=data.max_test_samples)
+
+
+def _warn_if_small(splits: DataSplits[IndexedDataset]) -> None:
+    for name, split, key in (("validation", splits.validation, "data.validation_fraction"),
+                             ("test", splits.test, "data.test_fraction")):
+        if len(split) < MIN_HELD_OUT_ROWS:
+            logger.warning("data: the %s split has only %d rows, so one sample moves its accuracy by %.1f points; "
+                           "training goes on, but add data or raise %s", name, len(split), 100 / len(split), key)
 
 
 def _at_most(dataset: IndexedDataset, limit: int | None, seed: int) -> IndexedDataset:

@@ -10,12 +10,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Self, TypeVar
+from typing import ClassVar, Generic, NamedTuple, Self, TypeVar
 
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["Batch", "DatasetUnavailableError", "IndexedDataset", "Item", "seeded_permutation", "split_train_validation"]
+__all__ = [
+    "Batch",
+    "DataSplits",
+    "DatasetUnavailableError",
+    "IndexedDataset",
+    "Item",
+    "held_out_splits",
+    "seeded_permutation",
+    "split_off",
+    "split_train_validation",
+]
 
 Item = tuple[int, tuple[torch.Tensor, ...], int]
 """One sample: ``(index, inputs, label)``; ``inputs`` has no batch dimension."""
@@ -146,19 +156,56 @@ class IndexedDataset(Dataset[Item], ABC):
 D = TypeVar("D", bound=IndexedDataset)
 
 
-def split_train_validation(dataset: D, validation_fraction: float, seed: int) -> tuple[D, D]:
-    """A fixed, ``seed``-ed random split into disjoint ``(train, validation)`` datasets, each re-numbered from 0.
+class DataSplits(NamedTuple, Generic[D]):
+    """Train (what the model learns from), validation (evaluations during training, model selection, any
+    tuning) and test (evaluated once, at the end: what results report); disjoint, each numbered from 0."""
 
-    Rows keep their original relative order inside each part; the validation part has
-    ``round(len * validation_fraction)`` rows, at least one, and leaves at least one for training.
+    train: D
+    validation: D
+    test: D
+
+
+def split_off(dataset: D, fractions: tuple[float, ...], seed: int) -> tuple[D, ...]:
+    """``(rest, part_1, ..., part_k)``: a fixed, ``seed``-ed random split into disjoint datasets, each re-numbered
+    from 0, where part ``i`` has ``round(len * fractions[i])`` rows (at least one) and the rest keeps at least one.
+
+    Rows keep their original relative order inside each part. The parts are cut from one seeded permutation in
+    order, so adding a part after the others leaves the earlier ones unchanged.
     """
+    if any(not 0.0 < f < 1.0 for f in fractions) or sum(fractions) >= 1.0:
+        raise ValueError(f"held-out fractions {list(fractions)} must each be strictly between 0 and 1 and sum "
+                         "to less than 1, so training keeps some rows")
+    size = len(dataset)
+    if size < len(fractions) + 1:
+        raise ValueError(f"cannot split a dataset of {size} rows into {len(fractions) + 1} parts; it needs at least "
+                         f"{len(fractions) + 1}")
+    permutation = seeded_permutation(size, seed)
+    parts: list[D] = []
+    start = 0
+    for index, fraction in enumerate(fractions):
+        left_for_later = len(fractions) - index  # later parts and the rest keep a row each
+        count = min(max(round(size * fraction), 1), size - start - left_for_later)
+        positions, _ = torch.sort(permutation[start:start + count])
+        parts.append(dataset.select(positions))
+        start += count
+    rest, _ = torch.sort(permutation[start:])
+    return (dataset.select(rest), *parts)
+
+
+def split_train_validation(dataset: D, validation_fraction: float, seed: int) -> tuple[D, D]:
+    """A fixed, ``seed``-ed random split into disjoint ``(train, validation)`` datasets, each re-numbered from 0."""
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be strictly between 0 and 1, got {validation_fraction}")
-    size = len(dataset)
-    if size < 2:
-        raise ValueError(f"cannot split a dataset of {size} rows into train and validation; it needs at least 2")
-    n_validation = min(max(round(size * validation_fraction), 1), size - 1)
-    permutation = seeded_permutation(size, seed)
-    validation, _ = torch.sort(permutation[:n_validation])
-    train, _ = torch.sort(permutation[n_validation:])
-    return dataset.select(train), dataset.select(validation)
+    train, validation = split_off(dataset, (validation_fraction,), seed)
+    return train, validation
+
+
+def held_out_splits(dataset: D, validation_fraction: float, test_fraction: float, seed: int,
+                    test: D | None = None) -> DataSplits[D]:
+    """Train / validation / test from one labelled set (``seed``-ed fractions of it), or, when the data set has
+    its own ``test`` split, validation carved from ``dataset`` and that test split kept as it is."""
+    if test is not None:
+        train, validation = split_off(dataset, (validation_fraction,), seed)
+        return DataSplits(train, validation, test)
+    train, test_part, validation = split_off(dataset, (test_fraction, validation_fraction), seed)
+    return DataSplits(train, validation, test_part)

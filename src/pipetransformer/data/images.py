@@ -1,7 +1,7 @@
 """Image classification data held as one normalized float32 tensor ``[N, C, H, W]``.
 
 One tensor means a batch is a single index op. Pixels are normalized per channel with the
-*training* split's mean and std, and the same statistics are applied to the evaluation split.
+*training* split's mean and std, and the same statistics are applied to the validation and test splits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipetransformer.data.batch import DatasetUnavailableError, IndexedDataset, split_train_validation
+from pipetransformer.data.batch import DataSplits, DatasetUnavailableError, IndexedDataset, held_out_splits
 
 __all__ = [
     "FASHION_MNIST_CLASSES",
@@ -33,6 +33,7 @@ FASHION_MNIST_INSTALL_HINT = (
     "run `bash scripts/setup.sh` or `apt-get update && apt-get install -y dataset-fashion-mnist`"
 )
 DEFAULT_VALIDATION_FRACTION = 0.1
+DEFAULT_TEST_FRACTION = 0.1
 
 UINT8_MAX = 255
 DIGITS_MAX_VALUE = 16
@@ -123,31 +124,33 @@ def _as_labels(labels: np.ndarray, rows: int, source: str) -> torch.Tensor:
     return torch.from_numpy(np.array(labels, dtype=np.int64))
 
 
-def _normalize_in_place(train: ImageDataset, evaluation: ImageDataset) -> tuple[ImageDataset, ImageDataset]:
-    """Apply the training split's per-channel statistics to both splits (only on datasets a loader just built)."""
-    std, mean = torch.std_mean(train.pixels, dim=(0, 2, 3), keepdim=True)
+def _normalized(splits: DataSplits[ImageDataset]) -> DataSplits[ImageDataset]:
+    """Apply the training split's per-channel statistics to every split (only on datasets a loader just built)."""
+    std, mean = torch.std_mean(splits.train.pixels, dim=(0, 2, 3), keepdim=True)
     std = std.clamp_min(MIN_STD)
-    for dataset in (train, evaluation):
+    for dataset in splits:
         dataset.pixels.sub_(mean).div_(std)
-    return train, evaluation
+    return splits
 
 
-def load_fashion_mnist(root: str | Path = FASHION_MNIST_ROOT) -> tuple[ImageDataset, ImageDataset]:
-    """Fashion-MNIST from Debian's ``dataset-fashion-mnist``: ``(train 60k, test 10k)``, ``[1, 28, 28]``, 10 classes."""
+def load_fashion_mnist(
+    root: str | Path = FASHION_MNIST_ROOT, validation_fraction: float = DEFAULT_VALIDATION_FRACTION, seed: int = 0
+) -> DataSplits[ImageDataset]:
+    """Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (``[1, 28, 28]``, 10 classes): validation a ``seed``-ed
+    fraction of the 60k training images, test the official 10k."""
     folder = Path(root)
     if _find_idx(folder, "train", IDX_IMAGES) is None:
         raise DatasetUnavailableError(f"Fashion-MNIST not found in {folder}: {FASHION_MNIST_INSTALL_HINT}")
-    train_x, train_y = _read_idx_split(folder, "train")
-    test_x, test_y = _read_idx_split(folder, "test")
-    train = ImageDataset(train_x, train_y, FASHION_MNIST_CLASSES)
-    test = ImageDataset(test_x, test_y, FASHION_MNIST_CLASSES)
-    return _normalize_in_place(train, test)
+    train = ImageDataset(*_read_idx_split(folder, "train"), FASHION_MNIST_CLASSES)
+    test = ImageDataset(*_read_idx_split(folder, "test"), FASHION_MNIST_CLASSES)
+    return _normalized(held_out_splits(train, validation_fraction, DEFAULT_TEST_FRACTION, seed, test=test))
 
 
 def load_digits_images(
-    validation_fraction: float = DEFAULT_VALIDATION_FRACTION, seed: int = 0
-) -> tuple[ImageDataset, ImageDataset]:
-    """scikit-learn's 1,797 8x8 digits (shipped with the package, so always offline), split ``(train, validation)``."""
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION, test_fraction: float = DEFAULT_TEST_FRACTION,
+    seed: int = 0,
+) -> DataSplits[ImageDataset]:
+    """scikit-learn's 1,797 8x8 digits (shipped with the package, so always offline), in ``seed``-ed splits."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as error:
@@ -157,7 +160,7 @@ def load_digits_images(
     pixels = _as_pixels(np.asarray(digits.images) / DIGITS_MAX_VALUE, "scikit-learn digits")
     labels = _as_labels(np.asarray(digits.target), pixels.shape[0], "scikit-learn digits")
     dataset = ImageDataset(pixels, labels, tuple(str(d) for d in digits.target_names))
-    return _normalize_in_place(*split_train_validation(dataset, validation_fraction, seed))
+    return _normalized(held_out_splits(dataset, validation_fraction, test_fraction, seed))
 
 
 def _find_idx(folder: Path, split: str, kind: str) -> Path | None:
@@ -197,12 +200,13 @@ def _read_folder_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Te
 
 
 def load_image_folder(
-    path: str | Path, validation_fraction: float = DEFAULT_VALIDATION_FRACTION, seed: int = 0
-) -> tuple[ImageDataset, ImageDataset]:
+    path: str | Path, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    test_fraction: float = DEFAULT_TEST_FRACTION, seed: int = 0,
+) -> DataSplits[ImageDataset]:
     """A user's folder of Fashion-MNIST-style idx(.gz) files or ``train.npz``/``test.npz`` (arrays ``x``, ``y``).
 
-    Returns ``(train, test)``; a folder with no test files gets a ``seed``-ed validation split of
-    ``train`` instead. Classes are ``0..max label``.
+    Validation is a ``seed``-ed fraction of the training files; test is the folder's test files, or, when it
+    has none, another ``seed``-ed fraction of the training files. Classes are ``0..max label``.
     """
     folder = Path(path)
     usage = (
@@ -221,11 +225,9 @@ def load_image_folder(
     num_classes = max(int(labels.max()) for labels in label_sets if labels.numel() > 0) + 1
     class_names = tuple(str(c) for c in range(num_classes))
     train = ImageDataset(*train_split, class_names)
-    if test_split is None:
-        return _normalize_in_place(*split_train_validation(train, validation_fraction, seed))
-    test = ImageDataset(*test_split, class_names)
-    if test.image_shape != train.image_shape:
+    test = None if test_split is None else ImageDataset(*test_split, class_names)
+    if test is not None and test.image_shape != train.image_shape:
         raise ValueError(
             f"{folder}: train images are {train.image_shape} but test images are {test.image_shape}; use one shape"
         )
-    return _normalize_in_place(train, test)
+    return _normalized(held_out_splits(train, validation_fraction, test_fraction, seed, test=test))

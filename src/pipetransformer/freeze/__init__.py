@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pipetransformer.freeze.apply import block_grad_sq_norms, freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.freeze.apply import (
+    PreviousGradients,
+    block_grad_sq_norms,
+    freeze_blocks,
+    is_pinned_eval,
+    layer_grad_sq_norms,
+)
 from pipetransformer.freeze.policies import (
     FreezeDecision,
     FreezePolicy,
@@ -14,6 +20,7 @@ from pipetransformer.freeze.policies import (
 )
 
 __all__ = [
+    "PreviousGradients",
     "block_grad_sq_norms",
     "FreezeDecision",
     "FreezePolicy",

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["block_grad_sq_norms", "freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
+__all__ = ["PreviousGradients", "block_grad_sq_norms", "freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
 
 
 class _PinnedEval:
@@ -102,3 +102,38 @@ def layer_grad_sq_norms(model: BlockSequence) -> torch.Tensor:
     replica holds the same gradients, and summing them too would scale the result by the width.
     """
     return block_grad_sq_norms(model)[1:-1]
+
+
+class PreviousGradients:
+    """Each trainable parameter's gradient of the previous step, for the per-block dot products ``g_t . g_{t-1}``
+    the coherence freeze policy reads.
+
+    Costs one gradient-sized buffer per trainable parameter held, and a copy per step. A parameter whose
+    previous gradient is unknown (the first step, a step it got no gradient, a block that just arrived from
+    another rank) gives its block no valid dot product for that step.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[nn.Parameter, torch.Tensor] = {}
+
+    def block_dots(self, model: BlockSequence, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dots, valid)``, both ``[len(model)]`` float64: per block in ``blocks``, the sum over its trainable
+        parameters of ``g_t . g_{t-1}`` and 1 where every one of them had a previous gradient (else 0); then
+        remember this step's gradients."""
+        dots = torch.zeros(len(model), dtype=torch.float64)
+        valid = torch.zeros(len(model), dtype=torch.float64)
+        current: dict[nn.Parameter, torch.Tensor] = {}
+        with torch.no_grad():
+            for index in blocks:
+                params = [p for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
+                if not params:
+                    continue
+                if all(p in self._previous for p in params):
+                    dots[index] = sum(torch.dot(p.grad.reshape(-1), self._previous[p].reshape(-1)).double()
+                                      for p in params)
+                    valid[index] = 1.0
+                for p in params:
+                    buffer = self._previous.get(p)
+                    current[p] = p.grad.detach().clone() if buffer is None else buffer.copy_(p.grad)
+        self._previous = current  # parameters without a gradient this step (frozen, moved away) are forgotten
+        return dots, valid

