@@ -140,10 +140,9 @@ def _order(configs: list[str], seeds: int) -> list[tuple[int, str]]:
     return order
 
 
-def _cap_bound(summary: dict[str, Any]) -> list[int]:
-    """Steps at which the freeze policy wanted more layers than the geometric cap allowed."""
-    return [d["step"] for d in summary.get("freeze_decisions", [])
-            if d.get("candidate") is not None and d.get("bound") is not None and d["candidate"] > d["bound"]]
+def _cap_bound(summary: dict[str, Any]) -> int:
+    """Decision windows in which the geometric cap held back layers the convergence test found converged."""
+    return int(summary.get("freeze_cap_binds") or 0)
 
 
 def _freezes(summary: dict[str, Any]) -> str:
@@ -194,7 +193,7 @@ def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[s
             "load_mean": statistics.median([r.load_mean for r in runs.values() if r.load_mean is not None])
             if runs else None,
             "freezes": {s: _freezes(r.summary) for s, r in sorted(runs.items())},
-            "cap_bound_at": {s: _cap_bound(r.summary) for s, r in sorted(runs.items()) if _cap_bound(r.summary)},
+            "cap_binds": {s: _cap_bound(r.summary) for s, r in sorted(runs.items()) if _cap_bound(r.summary)},
         }
     return table
 
@@ -229,8 +228,10 @@ def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
         else:
             lines.append(f"- `{name}` misses the accuracy gate ({other['paired_diff_vs_ddp_mean'] * PERCENT:+.2f} "
                          "points): no speed comparison needed")
-    bound = {seed: steps for name in ("all", "freeze_only") for seed, steps in table[name]["cap_bound_at"].items()}
-    lines.append(f"- decided by convergence: the geometric cap bound {'nowhere' if not bound else f'at {bound}'}")
+    bound = {f"{name} seed {seed}": count for name in ("all", "freeze_only") if name in table
+             for seed, count in table[name]["cap_binds"].items()}
+    lines.append(f"- decided by convergence: the geometric cap held converged layers back in "
+                 f"{'no window' if not bound else f'windows of {bound}'}")
     target = SPEEDUP_TARGETS.get(task)
     speed = row["speedup_vs_fastest_plain"]
     if speed is not None:

@@ -170,8 +170,9 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     summary = train(config)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: summary[k] for k in ("eval_accuracy", "best_eval_accuracy", "wall_time_s",
-                                                   "samples_per_s", "run_dir")}, indent=2))
+        shown = ("eval_accuracy", "best_eval_accuracy", "test_accuracy", "test_accuracy_at_best_validation",
+                 "wall_time_s", "samples_per_s", "run_dir")
+        print(json.dumps({k: summary.get(k) for k in shown}, indent=2))
     return 0
 
 

@@ -29,7 +29,7 @@ from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, chec
                          load_checkpoint, model_fingerprint, save_checkpoint)
 from .config import Config, ConfigError, config_to_dict
 from .control import ControlVector
-from .data import datasets_from_config
+from .data import datasets_from_config, small_split_warnings
 from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
 from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
@@ -102,7 +102,10 @@ class Trainer:
         self.tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
         # The validation split (eval_set) serves evaluations during training; the test split is evaluated once, at
         # the end, and nothing during training (steps, freeze decisions, evaluations) ever reads it.
-        self.train_set, self.eval_set, self.test_set = datasets_from_config(config.data, self.tokenizer)
+        splits = datasets_from_config(config.data, self.tokenizer)
+        self.train_set, self.eval_set, self.test_set = splits
+        for warning in small_split_warnings(splits) if self.env.is_main else []:
+            logger.warning(warning)
         try:
             self.model: BlockSequence = build_model(
                 config.model.kind, num_labels=self.train_set.num_classes, path=config.model.path,
@@ -788,6 +791,7 @@ class Trainer:
             "layout_history": self.progress.layout_history,
             "transitions": self.progress.transitions,
             "freeze_decisions": self.progress.freeze_decisions,
+            "freeze_cap_binds": self.policy.cap_binds,
             "samples_per_s": self.progress.samples / wall_s if wall_s > 0 else None,
             "restarts": self.progress.restarts,
             "checkpoints": self.progress.checkpoints,

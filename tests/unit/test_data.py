@@ -28,6 +28,7 @@ from pipetransformer.data import (
     load_image_folder,
     load_rotten_tomatoes,
     load_text_csv,
+    small_split_warnings,
     split_off,
     split_train_validation,
 )
@@ -163,11 +164,11 @@ def test_text_csv_test_file_is_the_test_split(tmp_path: Path, tokenizer: PreTrai
         load_datasets("digits", test_path=test_path)
 
 
-def test_small_held_out_splits_warn(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING"):
-        load_datasets("digits", max_eval_samples=10, max_test_samples=200, seed=0)
-    assert len(caplog.records) == 1
-    assert "validation split has only 10 rows" in caplog.text and "data.validation_fraction" in caplog.text
+def test_small_held_out_splits_warn() -> None:
+    warnings = small_split_warnings(load_datasets("digits", max_eval_samples=10, max_test_samples=200, seed=0))
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "validation split has only 10 rows" in warnings[0] and "data.validation_fraction" in warnings[0]
+    assert small_split_warnings(load_datasets("digits", seed=0)) == []
 
 
 def test_subset_is_renumbered_seeded_and_drawn_from_the_dataset() -> None:

@@ -363,13 +363,22 @@ def coherence_trace(coherence_rows: Sequence[Sequence[float | None]], norm: floa
 
 def test_coherence_freezes_the_prefix_below_the_threshold_and_a_learning_layer_holds_the_rest() -> None:
     # layer 2 still learns (0.3), so layers 3 and 4 below the threshold stay active too
-    norms, dots = coherence_trace([[0.01, 0.05, 0.3, 0.02, 0.01, 0.5]] * 2)
+    norms, dots = coherence_trace([[0.01, 0.05, 0.3, 0.02, 0.01, 0.5]] * 3)
     decisions = run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots)
-    assert decisions[0] is not None and decisions[0].frozen == frozenset({0, 1})
-    details = decisions[0].details
+    assert decisions[0] is None  # one window: converged needs two in a row
+    assert decisions[1] is not None and decisions[1].frozen == frozenset({0, 1})
+    details = decisions[1].details
     assert details["candidate"] == 2 and details["coherence"] == pytest.approx([0.01, 0.05, 0.3, 0.02, 0.01, 0.5])
     json.dumps(details)
-    assert decisions[1] is None
+    assert decisions[2] is None
+
+
+def test_coherence_needs_two_windows_in_a_row_below_the_threshold() -> None:
+    # layer 0 dips below the threshold in windows 1 and 3 only (noise); layer 1 from window 2 on
+    norms, dots = coherence_trace([[0.05, 0.5, 0.5, 0.5, 0.5, 0.5], [0.3, 0.05, 0.5, 0.5, 0.5, 0.5],
+                                   [0.05, 0.05, 0.5, 0.5, 0.5, 0.5], [0.05, 0.05, 0.5, 0.5, 0.5, 0.5]])
+    counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots))
+    assert counts == [0, 0, 0, 2]
 
 
 def test_coherence_is_a_window_ratio_of_sums_not_a_mean_of_ratios() -> None:
@@ -385,19 +394,22 @@ def test_coherence_is_a_window_ratio_of_sums_not_a_mean_of_ratios() -> None:
 
 
 def test_coherence_counts_a_layer_without_valid_dot_products_as_learning() -> None:
-    norms, dots = coherence_trace([[None, 0.01, 0.01, 0.01, 0.01, 0.01]])
-    assert run(build("coherence", alpha=1.0), norms, dots=dots) == [None]
+    norms, dots = coherence_trace([[None, 0.01, 0.01, 0.01, 0.01, 0.01]] * 2)
+    assert run(build("coherence", alpha=1.0), norms, dots=dots) == [None, None]
     with pytest.raises(ValueError, match="layer_grad_dots"):
         build("coherence").observe([1.0] * NUM_LAYERS)
 
 
 def test_coherence_is_capped_by_the_geometric_bound_and_records_it() -> None:
-    norms, dots = coherence_trace([[0.01] * NUM_LAYERS] * 4)
-    decisions = run(build("coherence", alpha=1 / 3, max_fraction=0.84), norms, dots=dots)
-    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5: every decision wanted all 6 (candidate 6 > bound)
-    assert frozen_counts(decisions) == [2, 3, 4, 5]
-    assert [d.details["candidate"] for d in decisions if d] == [6] * 4
-    assert [d.details["bound"] for d in decisions if d] == [2, 3, 4, 5]
+    norms, dots = coherence_trace([[0.01] * NUM_LAYERS] * 6)
+    policy = build("coherence", alpha=1 / 3, max_fraction=0.84)
+    decisions = run(policy, norms, dots=dots)
+    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5, 5, 5 from the first window on; every decision from the second
+    # window wants all 6, which max_fraction turns into 5: the bound holds it back in windows 2-4 only
+    assert frozen_counts(decisions) == [0, 3, 4, 5, 5, 5]
+    assert [d.details["candidate"] for d in decisions if d] == [6] * 3
+    assert [d.details["bound"] for d in decisions if d] == [3, 4, 5]
+    assert policy.cap_binds == 2
 
 
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
@@ -407,7 +419,7 @@ def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
     policy = build("coherence", interval=20, alpha=1.0, threshold=0.1)
     previous: list[np.ndarray] | None = None
     decision = None
-    for step in range(20):
+    for step in range(40):
         # layers 0-2: noise only; layers 3-5: signal of the same size as the noise (coherence ~0.5)
         grads = [rng.standard_normal(10_000) + (direction if layer >= 3 else 0.0) for layer in range(NUM_LAYERS)]
         dots = None if previous is None else [float(g @ p) for g, p in zip(grads, previous)]

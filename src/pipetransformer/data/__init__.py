@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +56,7 @@ __all__ = [
     "load_rotten_tomatoes",
     "load_text_csv",
     "seeded_permutation",
+    "small_split_warnings",
     "split_off",
     "split_train_validation",
 ]
@@ -69,9 +69,6 @@ DEFAULT_VALIDATION_FRACTION = 0.1
 DEFAULT_TEST_FRACTION = 0.1
 MIN_HELD_OUT_ROWS = 30
 """Below this, one sample moves a held-out accuracy by more than 3 points: say so before training."""
-
-logger = logging.getLogger(__name__)
-
 
 def load_datasets(
     name: str,
@@ -122,11 +119,9 @@ def load_datasets(
     else:
         assert path is not None
         splits = load_image_folder(path, validation_fraction, test_fraction, seed)
-    splits = DataSplits(_at_most(splits.train, max_train_samples, seed),
-                        _at_most(splits.validation, max_eval_samples, seed),
-                        _at_most(splits.test, max_test_samples, seed))
-    _warn_if_small(splits)
-    return splits
+    return DataSplits(_at_most(splits.train, max_train_samples, seed),
+                      _at_most(splits.validation, max_eval_samples, seed),
+                      _at_most(splits.test, max_test_samples, seed))
 
 
 def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> DataSplits[IndexedDataset]:
@@ -138,12 +133,13 @@ def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | 
                          max_eval_samples=data.max_eval_samples, max_test_samples=data.max_test_samples)
 
 
-def _warn_if_small(splits: DataSplits[IndexedDataset]) -> None:
-    for name, split, key in (("validation", splits.validation, "data.validation_fraction"),
-                             ("test", splits.test, "data.test_fraction")):
-        if len(split) < MIN_HELD_OUT_ROWS:
-            logger.warning("data: the %s split has only %d rows, so one sample moves its accuracy by %.1f points; "
-                           "training goes on, but add data or raise %s", name, len(split), 100 / len(split), key)
+def small_split_warnings(splits: DataSplits[IndexedDataset]) -> list[str]:
+    """One line per held-out split too small to measure accuracy well (the caller logs them once)."""
+    return [f"data: the {name} split has only {len(split)} rows, so one sample moves its accuracy by "
+            f"{100 / len(split):.1f} points; training goes on, but add data or raise {key}"
+            for name, split, key in (("validation", splits.validation, "data.validation_fraction"),
+                                     ("test", splits.test, "data.test_fraction"))
+            if len(split) < MIN_HELD_OUT_ROWS]
 
 
 def _at_most(dataset: IndexedDataset, limit: int | None, seed: int) -> IndexedDataset:

@@ -107,6 +107,7 @@ class FreezePolicy(ABC):
         self.steps_done = 0
         self.epochs_done = 0
         self.windows_done = 0
+        self.cap_binds = 0  # windows where the geometric bound held back layers the policy found converged
         self.last_step: int | None = None
 
     def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
@@ -158,6 +159,13 @@ class FreezePolicy(ABC):
         """The first ``count`` layers, capped by ``max_fraction``."""
         return frozenset(range(min(count, self.max_frozen)))
 
+    def _bounded_prefix(self, candidate: int, bound: int) -> frozenset[int]:
+        """The ``candidate`` layers a convergence test found, held to the geometric ``bound`` (counted in
+        ``cap_binds`` when that holds back a layer ``max_fraction`` would let freeze)."""
+        if min(candidate, self.max_frozen) > bound:
+            self.cap_binds += 1
+        return self._capped_prefix(min(candidate, bound))
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state: enough to make the same future decisions after a restart."""
         return {
@@ -167,6 +175,7 @@ class FreezePolicy(ABC):
             "steps_done": self.steps_done,
             "epochs_done": self.epochs_done,
             "windows_done": self.windows_done,
+            "cap_binds": self.cap_binds,
             "last_step": self.last_step,
         }
 
@@ -180,6 +189,7 @@ class FreezePolicy(ABC):
         self.steps_done = int(state["steps_done"])
         self.epochs_done = int(state["epochs_done"])
         self.windows_done = int(state["windows_done"])
+        self.cap_binds = int(state.get("cap_binds", 0))  # absent from checkpoints of earlier versions
         self.last_step = None if state["last_step"] is None else int(state["last_step"])
 
 
@@ -346,7 +356,7 @@ class GradientPolicy(FreezePolicy):
             "bound": bound,
             "cap": self.max_frozen,
         }
-        return self._capped_prefix(min(candidate, bound)), details
+        return self._bounded_prefix(candidate, bound), details
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -378,10 +388,11 @@ class CoherencePolicy(FreezePolicy):
     one ``threshold`` means the same on every model, layer, task and learning rate, unlike a gradient norm or a
     relative percentile (which always finds a "converged" half).
 
-    A layer has converged when its coherence is below ``threshold`` in two consecutive windows: one window's
-    estimate is noisy, and the warm-up's first steps (a random head, a learning rate near zero) can look like
-    noise before the layers start to move together. The layers below the first active layer that has not
-    converged freeze (a layer still learning keeps itself and everything above it training, since its input
+    A layer has converged when it has learned (a window with coherence at or above ``threshold``) and its
+    coherence has then stayed below ``threshold`` for two consecutive windows. Low coherence before a layer
+    has ever learned means it has not started (the first steps, with a random head and a learning rate near
+    zero, look like noise too), and one window's estimate is noisy. The layers below the first active layer that
+    has not converged freeze (a layer still learning keeps itself and everything above it training, since its input
     must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
     lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
     safety cap, as does ``max_fraction``.
@@ -404,6 +415,7 @@ class CoherencePolicy(FreezePolicy):
         self.threshold = threshold
         self.decisions = 0
         self.previous_coherence: list[float | None] = [None] * num_layers
+        self.learned = [False] * num_layers  # a window with coherence at or above the threshold was seen
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -433,25 +445,31 @@ class CoherencePolicy(FreezePolicy):
         coherence = self.window_coherence()
         previous, self.previous_coherence = self.previous_coherence, coherence
         self._reset_window()
+        # learned before the previous window: the two windows tested below must both come after it
+        learned_before = list(self.learned)
+        self.learned = [seen or (value is not None and value >= self.threshold)
+                        for seen, value in zip(self.learned, coherence)]
         active = [i for i in range(self.num_layers) if i not in self.frozen]
         if not active:
             return None
         self.decisions += 1
 
         def converged(layer: int) -> bool:  # NaN (divergence) compares False: not converged
-            return all(value is not None and value < self.threshold for value in (previous[layer], coherence[layer]))
+            return learned_before[layer] and all(value is not None and value < self.threshold
+                                                 for value in (previous[layer], coherence[layer]))
 
         candidate = next((i for i in active if not converged(i)), self.num_layers)
         bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
         details = {"decision_index": self.decisions, "coherence": coherence, "previous_coherence": previous,
                    "threshold": self.threshold,
                    "candidate": candidate, "bound": bound, "cap": self.max_frozen}
-        return self._capped_prefix(min(candidate, bound)), details
+        return self._bounded_prefix(candidate, bound), details
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(decisions=self.decisions, dot_sum=self.dot_sum.tolist(), sq_sum=self.sq_sum.tolist(),
-                     valid_steps=self.valid_steps.tolist(), previous_coherence=self.previous_coherence)
+                     valid_steps=self.valid_steps.tolist(), previous_coherence=self.previous_coherence,
+                     learned=self.learned)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,6 +479,7 @@ class CoherencePolicy(FreezePolicy):
         self.sq_sum = np.asarray(state["sq_sum"], dtype=np.float64)
         self.valid_steps = np.asarray(state["valid_steps"], dtype=np.int64)
         self.previous_coherence = list(state["previous_coherence"])
+        self.learned = [bool(seen) for seen in state["learned"]]
 
 
 def _change_ratio(previous: float, current: float) -> float:
