@@ -11,6 +11,7 @@ every stage) and freezing (it freezes with layer 0, whose cached outputs depend 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,15 @@ SHARED_PARAMETERS = {
     "deberta-v2-conv": ("encoder.rel_embeddings.weight", "encoder.LayerNorm.weight", "encoder.LayerNorm.bias"),
 }
 CASES = [(name, impl) for name, (_, impls) in ENCODERS.items() for impl in impls]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny models: handing each small op to a second thread costs more than the op (10-50x on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def encoder_for(name: str, attn_implementation: str = "eager") -> nn.Module:
