@@ -227,8 +227,8 @@ def test_shared_state_splits_along_the_batch(name: str) -> None:
 @pytest.mark.parametrize("name", SHARED_STATE)
 def test_cached_prefix_serves_shared_state_in_any_batch(name: str, tmp_path: Path) -> None:
     """The cache stores each sample's activation padded to a fixed length and serves it cut to the batch's:
-    a sample first computed in a short batch, then served in a longer one, still gives the plain forward's
-    output on every real token."""
+    samples first computed in a short batch, then served in a longer one (the first row among them), still
+    give the plain forward's output on every real token."""
     encoder = encoder_for(name)
     blocks = blocks_from_hf(encoder, NUM_LABELS).eval()
     freeze_blocks(blocks, frozen_blocks({0}, blocks.num_layers), None)
@@ -237,19 +237,20 @@ def test_cached_prefix_serves_shared_state_in_any_batch(name: str, tmp_path: Pat
     with torch.no_grad():
         example = blocks.forward_range((input_ids, attention_mask), 0, boundary)
     spec = spec_from_activation(example, pad_to=SEQ)
+    short = torch.tensor([1, 3])  # lengths 5 and 3: recorded 5 positions long
+    served_order = torch.tensor([3, 0, 1, 2])  # a short record first, the longest sample second
+    batch = (input_ids[served_order], attention_mask[served_order])
     with ActivationStore.create(len(LENGTHS), spec, STORE_BYTES, tmp_path) as store:
         cache = FrozenPrefixCache(store)
-        short = torch.tensor([1, 3])  # lengths 5 and 3: recorded 5 positions long
         recorded = int(attention_mask[short].sum(1).max())
-        short_batch = (input_ids[short, :recorded], attention_mask[short, :recorded])
-        cache.activation_at_boundary(blocks, short_batch, short, boundary)
-        served = cache.activation_at_boundary(blocks, (input_ids, attention_mask), torch.arange(len(LENGTHS)),
-                                              boundary)
+        cache.activation_at_boundary(blocks, (input_ids[short, :recorded], attention_mask[short, :recorded]), short,
+                                     boundary)
+        served = cache.activation_at_boundary(blocks, batch, served_order, boundary)
         assert cache.metrics().hits == len(short)
     with torch.no_grad():
         actual = blocks.forward_range(served, boundary, blocks.num_layers + 1)[0]
-        expected = blocks.forward_range((input_ids, attention_mask), 0, blocks.num_layers + 1)[0]
-    real = attention_mask.bool()
+        expected = blocks.forward_range(batch, 0, blocks.num_layers + 1)[0]
+    real = batch[1].bool()
     assert_relatively_close(actual[real], expected[real], RELATIVE_TOLERANCE, name)
 
 
