@@ -337,6 +337,16 @@ def test_an_encoder_the_blocks_do_not_reproduce_is_refused() -> None:
     assert "\n" not in str(caught.value)
 
 
+def test_layers_sharing_weights_are_refused() -> None:
+    """Freezing, optimizer state, hand-over and gradient sync work per block: a parameter two blocks use would be
+    frozen by one while the other trains it, and updated twice on one stage."""
+    encoder = encoder_for("bert")
+    encoder.encoder.layer[2] = encoder.encoder.layer[0]
+    with pytest.raises(BlockSplitError, match=r"bert.*layer_0 and layer_2.*shared") as caught:
+        blocks_from_hf(encoder, NUM_LABELS)
+    assert "\n" not in str(caught.value)
+
+
 def test_attention_kernel_the_model_lacks_is_a_one_line_error() -> None:
     config, _ = ENCODERS["mpnet"]
     with pytest.raises(ValueError, match=r"mpnet.*sdpa.*model.attn_implementation.*eager") as caught:
