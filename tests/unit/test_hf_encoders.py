@@ -69,6 +69,9 @@ ENCODERS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "xlm-roberta-xl": ({"model_type": "xlm-roberta-xl", **BERT_LIKE}, BOTH),  # final norm in the encoder
     "megatron-bert": ({"model_type": "megatron-bert", **BERT_LIKE}, EAGER),  # final norm in the encoder
     "convbert": ({"model_type": "convbert", **BERT_LIKE, "embedding_size": SMALL_EMBEDDING}, EAGER),
+    # narrow embeddings projected by the encoder before layer 0
+    "rembert": ({"model_type": "rembert", **BERT_LIKE, "input_embedding_size": SMALL_EMBEDDING,
+                 "output_embedding_size": SMALL_EMBEDDING}, EAGER),
     # the encoder computes one position bias for all layers (all-mpnet-base-v2)
     "mpnet": ({"model_type": "mpnet", **BERT_LIKE}, EAGER),
     # relative embeddings in the encoder; 4 < SEQ relative positions, so the clamped ones are covered

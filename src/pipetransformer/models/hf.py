@@ -33,6 +33,7 @@ from pipetransformer.models.hf_blocks import (
     HFLayerBlock,
     ModernBertLayerBlock,
     MPNetLayerBlock,
+    RelativeIndex,
     RelativeTable,
     deberta_rows,
     mpnet_rows,
@@ -59,7 +60,8 @@ EMBEDDINGS_PATH = "embeddings"
 LAYER_LIST_PATHS = ("encoder.layer", "encoder.layers", "transformer.layer", "layers", "layer")
 # Applied to the last layer's output: ViT, ModernBERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT.
 FINAL_NORM_PATHS = ("layernorm", "final_norm", "LayerNorm", "encoder.LayerNorm", "encoder.ln")
-EMBEDDING_PROJECTION_PATHS = ("embeddings_project",)  # ELECTRA, ConvBERT: applied by the model after its embeddings
+# Applied between the embeddings module and layer 0: ELECTRA's and ConvBERT's (in the model), RemBERT's (in the encoder).
+EMBEDDING_PROJECTION_PATHS = ("embeddings_project", "encoder.embedding_hidden_mapping_in")
 TASK_BY_MAIN_INPUT = {"input_ids": "text", "pixel_values": "image"}
 HEAD_DROPOUT_ATTRS = ("classifier_dropout", "hidden_dropout_prob", "seq_classif_dropout", "dropout")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -99,13 +101,11 @@ def _mpnet_parts(encoder: nn.Module, embeddings: nn.Module, layers: nn.ModuleLis
     """MPNet: one relative position bias for all layers, from a trainable table in the encoder."""
     inner = encoder.encoder
     bucket = type(inner).relative_position_bucket  # the bucketing compute_position_bias applies
-    rows = partial(mpnet_rows, bucket=bucket)
-    table = RelativeTable(inner.relative_attention_bias, rows)
+    table = RelativeTable(inner.relative_attention_bias, partial(mpnet_rows, bucket=bucket))
     last = len(layers) - 1
     blocks: list[nn.Module] = [
-        MPNetLayerBlock(layer, encoder.config, bucket=bucket, rows=rows, num_rows=table.num_rows,
-                        passes_state=index < last)
-        for index, layer in enumerate(layers)
+        MPNetLayerBlock(layer, encoder.config, bucket=bucket, index=table.index, passes_state=number < last)
+        for number, layer in enumerate(layers)
     ]
     return _Parts(HFEmbeddingsBlock(embeddings, task, relative=table), blocks, None)
 
@@ -114,10 +114,10 @@ def _deberta_parts(encoder: nn.Module, embeddings: nn.Module, layers: nn.ModuleL
     """DeBERTa v1 and v2: relative embeddings (and their norm) in the encoder, a pairwise padding mask,
     masked embeddings, and (v2, e.g. DeBERTa-v2-xlarge) a convolution after layer 0."""
     inner = encoder.encoder
-    relative_positions: Callable[..., torch.Tensor] | None = None
-    rows = None
+    relative: tuple[Callable[..., torch.Tensor], RelativeIndex] | None = None
     table = None
     if inner.relative_attention:
+        relative_positions: Callable[..., torch.Tensor]
         if encoder.config.model_type == "deberta-v2":
             from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
 
@@ -127,23 +127,24 @@ def _deberta_parts(encoder: nn.Module, embeddings: nn.Module, layers: nn.ModuleL
             from transformers.models.deberta.modeling_deberta import build_relative_position as build_v1
 
             relative_positions = build_v1
-        num_rows = inner.rel_embeddings.num_embeddings
-        rows = partial(deberta_rows, relative_positions=relative_positions, num_rows=num_rows)
+        rows = partial(deberta_rows, relative_positions=relative_positions,
+                       num_rows=inner.rel_embeddings.num_embeddings)
         norm = inner.LayerNorm if "layer_norm" in getattr(inner, "norm_rel_ebd", ()) else None
         table = RelativeTable(inner.rel_embeddings, rows, norm)
+        relative = (relative_positions, table.index)
     conv = getattr(inner, "conv", None)
     last = len(layers) - 1
     blocks: list[nn.Module] = [
-        DebertaLayerBlock(layer, encoder.config, relative_positions=relative_positions, rows=rows,
-                          num_rows=table.num_rows if table is not None else 0, conv=conv if index == 0 else None,
-                          passes_state=table is not None and index < last)
-        for index, layer in enumerate(layers)
+        DebertaLayerBlock(layer, encoder.config, relative=relative, conv=conv if number == 0 else None,
+                          passes_state=table is not None and number < last)
+        for number, layer in enumerate(layers)
     ]
     return _Parts(HFEmbeddingsBlock(embeddings, task, relative=table, masks_embeddings=True), blocks, None)
 
 
 def _modernbert_parts(encoder: nn.Module, embeddings: nn.Module, layers: nn.ModuleList, task: str) -> _Parts:
-    """ModernBERT: rotary tables (no trainable parameters) and global or sliding-window masks per layer type."""
+    """ModernBERT: rotary tables (from buffers only, so recomputed in every layer block) and a global or
+    sliding-window mask per layer type; the final norm is the model's."""
     from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 
     masks = {"full_attention": create_bidirectional_mask, "sliding_attention": create_bidirectional_sliding_window_mask}

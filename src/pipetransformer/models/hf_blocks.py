@@ -17,6 +17,7 @@ sample reads) and runs the model's own layer on it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,11 +32,11 @@ __all__ = [
     "HFLayerBlock",
     "MPNetLayerBlock",
     "ModernBertLayerBlock",
+    "RelativeIndex",
     "RelativeRows",
     "RelativeTable",
     "deberta_rows",
     "mpnet_rows",
-    "table_from_state",
 ]
 
 RelativeRows = Callable[[int, torch.device], torch.Tensor]
@@ -67,6 +68,26 @@ def deberta_rows(length: int, device: torch.device, relative_positions: Callable
     return (distances + num_rows // 2).clamp(0, num_rows - 1)
 
 
+@dataclass(frozen=True)
+class RelativeIndex:
+    """Where the entries of an encoder-level table of relative-position entries sit in the carried state."""
+
+    rows: RelativeRows
+    num_rows: int
+
+    def table(self, state: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The whole table a layer indexes, rebuilt from the batch's longest sample; rows no distance of this
+        length reads stay zero. Each row is taken from one position only, so its gradient is counted once."""
+        longest = int(attention_mask.sum(dim=1).argmax())
+        length, width = state.shape[1], state.shape[-1]
+        read = self.rows(length, state.device).reshape(-1)
+        unique, inverse = torch.unique(read, return_inverse=True)
+        first = torch.full_like(unique, read.numel()).scatter_reduce(
+            0, inverse, torch.arange(read.numel(), device=read.device), reduce="amin")
+        entries = state[longest].reshape(length * SIGNS, width)[first]
+        return entries.new_zeros(self.num_rows, width).index_copy(0, unique, entries)
+
+
 class RelativeTable(nn.Module):
     """Block 0's share of an encoder-level table of relative-position entries: the rows a sequence reads,
     per position (``+p`` and ``-p``), repeated for every sample. The table (and its norm) belong to block 0."""
@@ -75,37 +96,19 @@ class RelativeTable(nn.Module):
         super().__init__()
         self.table = table
         self.norm = norm if norm is not None else nn.Identity()
-        self.rows = rows
-
-    @property
-    def num_rows(self) -> int:
-        return self.table.num_embeddings
+        self.index = RelativeIndex(rows, table.num_embeddings)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, length = hidden.shape[:2]
-        entries = self.norm(self.table(self.rows(length, hidden.device)))  # the norm is per row, so rows commute
+        entries = self.norm(self.table(self.index.rows(length, hidden.device)))  # the norm is per row: rows commute
         return entries.unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
-
-
-def table_from_state(state: torch.Tensor, attention_mask: torch.Tensor, rows: RelativeRows,
-                     num_rows: int) -> torch.Tensor:
-    """The whole table a layer indexes, rebuilt from the longest sample's rows; rows no distance of this length
-    reads stay zero. Each row is taken once, so its gradient is counted once."""
-    longest = int(attention_mask.sum(dim=1).argmax())
-    length, width = state.shape[1], state.shape[-1]
-    read = rows(length, state.device).reshape(-1)
-    unique, inverse = torch.unique(read, return_inverse=True)
-    first = torch.full_like(unique, read.numel()).scatter_reduce(
-        0, inverse, torch.arange(read.numel(), device=read.device), reduce="amin")
-    entries = state[longest].reshape(length * SIGNS, width)[first]
-    return entries.new_zeros(num_rows, width).index_copy(0, unique, entries)
 
 
 class HFEmbeddingsBlock(nn.Module):
     """Block 0: token or patch embeddings, then what the encoder computes once before its layers.
 
     Text passes the padding mask on for the layers to use. ``projection``: an embedding projection the model
-    applies outside its embeddings module (ELECTRA's and ConvBERT's ``embeddings_project``). ``relative``:
+    applies outside its embeddings module (ELECTRA's ``embeddings_project``). ``relative``:
     an encoder-level table of relative-position entries whose rows ride the activation. ``masks_embeddings``:
     the embeddings module takes the padding mask (DeBERTa zeroes padded positions).
     """
@@ -173,16 +176,15 @@ class MPNetLayerBlock(HFLayerBlock):
     computed here from the bias table carried in the activation."""
 
     def __init__(self, layer: nn.Module, config: PreTrainedConfig, *, bucket: Callable[[torch.Tensor], torch.Tensor],
-                 rows: RelativeRows, num_rows: int, passes_state: bool) -> None:
+                 index: RelativeIndex, passes_state: bool) -> None:
         super().__init__(layer, config, passes_state=passes_state)
         self.bucket = bucket
-        self.rows = rows
-        self.num_rows = num_rows
+        self.index = index
 
     def layer_output(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                      state: tuple[torch.Tensor, ...]) -> Any:
         assert attention_mask is not None
-        table = table_from_state(state[0], attention_mask, self.rows, self.num_rows)
+        table = self.index.table(state[0], attention_mask)
         positions = torch.arange(hidden.shape[1], device=hidden.device)
         buckets = self.bucket(positions[None, :] - positions[:, None])  # key minus query, as the encoder does
         bias = nn.functional.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)  # [1, heads, query, key]
@@ -194,12 +196,10 @@ class DebertaLayerBlock(HFLayerBlock):
     (rebuilt from the rows carried in the activation), and DeBERTa-v2's convolution after layer 0."""
 
     def __init__(self, layer: nn.Module, config: PreTrainedConfig, *,
-                 relative_positions: Callable[..., torch.Tensor] | None, rows: RelativeRows | None, num_rows: int,
-                 conv: nn.Module | None, passes_state: bool) -> None:
+                 relative: tuple[Callable[..., torch.Tensor], RelativeIndex] | None, conv: nn.Module | None,
+                 passes_state: bool) -> None:
         super().__init__(layer, config, passes_state=passes_state)
-        self.relative_positions = relative_positions
-        self.rows = rows
-        self.num_rows = num_rows
+        self.relative = relative  # the model's relative-position function and the carried table, if it has them
         self.conv = conv
 
     def layer_output(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -208,9 +208,10 @@ class DebertaLayerBlock(HFLayerBlock):
         pairs = attention_mask.unsqueeze(1).unsqueeze(2)
         pairs = pairs * pairs.squeeze(-2).unsqueeze(-1)  # as DebertaEncoder.get_attention_mask: [batch, 1, q, k]
         relative_pos = rel_embeddings = None
-        if self.relative_positions is not None and self.rows is not None:
-            relative_pos = self.relative_positions(hidden, hidden)
-            rel_embeddings = table_from_state(state[0], attention_mask, self.rows, self.num_rows)
+        if self.relative is not None:
+            relative_positions, index = self.relative
+            relative_pos = relative_positions(hidden, hidden)
+            rel_embeddings = index.table(state[0], attention_mask)
         output = self.layer(hidden, pairs, relative_pos=relative_pos, rel_embeddings=rel_embeddings)[0]
         if self.conv is not None:
             output = self.conv(hidden, output, attention_mask)
