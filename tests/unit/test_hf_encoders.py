@@ -34,10 +34,12 @@ INTERMEDIATE = 64
 VOCAB = 100
 MAX_POSITIONS = 64
 NUM_LABELS = 3
-SEQ = 9
 LENGTHS = (9, 5, 7, 3)  # real tokens per sample of the padded batch
+SEQ = max(LENGTHS)
 RELATIVE_TOLERANCE = 1e-5
-GRAD_RELATIVE_TOLERANCE = 1e-4
+GRAD_RELATIVE_TOLERANCE = 1e-5
+GRAD_NOISE_FLOOR = 1e-6
+"""Analytically zero gradients (attention key biases) are float noise: compared at this fraction of the largest."""
 STORE_BYTES = 1 << 20
 EAGER = ("eager",)
 BOTH = ("eager", "sdpa")
@@ -116,12 +118,11 @@ def encoder_for(name: str, attn_implementation: str = "eager") -> nn.Module:
     return load_hf_encoder(config=config, attn_implementation=attn_implementation).eval()
 
 
-def padded_batch(pad_id: int, lengths: tuple[int, ...] = LENGTHS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids (never the pad id) padded to the longest of ``lengths``, as a tokenizer pads them."""
+def padded_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids (never the pad id) of LENGTHS real tokens, padded to the longest as a tokenizer pads them."""
     generator = torch.Generator().manual_seed(0)
-    longest = max(lengths)
-    input_ids = (pad_id + 1 + torch.randint(0, VOCAB - 1, (len(lengths), longest), generator=generator)) % VOCAB
-    attention_mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).to(torch.long)
+    input_ids = (pad_id + 1 + torch.randint(0, VOCAB - 1, (len(LENGTHS), SEQ), generator=generator)) % VOCAB
+    attention_mask = (torch.arange(SEQ)[None, :] < torch.tensor(LENGTHS)[:, None]).to(torch.long)
     return input_ids.masked_fill(attention_mask == 0, pad_id), attention_mask
 
 
@@ -192,8 +193,10 @@ def test_every_parameter_has_one_owner_and_checkpoints_round_trip(name: str) -> 
     blocks.load_state_dict(weights)
 
 
-@pytest.mark.parametrize("name", SHARED_STATE)
+@pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_gradients_match_the_unsplit_model(name: str) -> None:
+    """Every parameter's gradient, each relative to its own scale: the shared tables' gradients are thousands of
+    times smaller than the largest."""
     encoder = encoder_for(name)
     blocks = blocks_from_hf(encoder, NUM_LABELS).eval()
     input_ids, attention_mask = padded_batch(pad_id_of(encoder))
@@ -203,8 +206,9 @@ def test_gradients_match_the_unsplit_model(name: str) -> None:
     probe_loss(final_hidden(blocks, (input_ids, attention_mask))).backward()
     actual = named_grads(encoder)
     assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
-    scale = max(g.abs().max().item() for g in expected.values())
+    floor = GRAD_NOISE_FLOOR * max(g.abs().max().item() for g in expected.values())
     for path, grad in expected.items():
+        scale = max(grad.abs().max().item(), floor)
         diff = (actual[path] - grad).abs().max().item()
         assert diff <= GRAD_RELATIVE_TOLERANCE * scale, f"{name}: {path} gradient off by {diff:.3g} (scale {scale:.3g})"
 
