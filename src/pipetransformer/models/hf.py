@@ -60,7 +60,7 @@ EMBEDDINGS_PATH = "embeddings"
 LAYER_LIST_PATHS = ("encoder.layer", "encoder.layers", "transformer.layer", "layers", "layer")
 # Applied to the last layer's output: ViT, ModernBERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT.
 FINAL_NORM_PATHS = ("layernorm", "final_norm", "LayerNorm", "encoder.LayerNorm", "encoder.ln")
-# Applied between the embeddings module and layer 0: ELECTRA's and ConvBERT's (in the model), RemBERT's (in the encoder).
+# Between the embeddings module and layer 0: ELECTRA's and ConvBERT's (in the model), RemBERT's (in the encoder).
 EMBEDDING_PROJECTION_PATHS = ("embeddings_project", "encoder.embedding_hidden_mapping_in")
 TASK_BY_MAIN_INPUT = {"input_ids": "text", "pixel_values": "image"}
 HEAD_DROPOUT_ATTRS = ("classifier_dropout", "hidden_dropout_prob", "seq_classif_dropout", "dropout")
@@ -315,9 +315,9 @@ def load_hf_encoder(
     model_type = settings.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ValueError("the hf config needs a 'model_type' key, e.g. 'bert', 'roberta', 'distilbert' or 'vit'")
-    random = AutoConfig.for_model(model_type, **settings)
-    _check_attention_kernel(random, attn_implementation)
-    model = AutoModel.from_config(random, attn_implementation=attn_implementation)
+    random_weights = AutoConfig.for_model(model_type, **settings)
+    _check_attention_kernel(random_weights, attn_implementation)
+    model = AutoModel.from_config(random_weights, attn_implementation=attn_implementation)
     return model
 
 
