@@ -46,6 +46,9 @@ CASES = {
     "hf_path_without_model": Case((TINY_TEXT, "--set", "model.hf_config=null", "--set", "model.path={tmp}"),
                                   ("model.path", "config.json")),
     "zero_workers": Case((TINY_VIT, "--nproc-per-node", "0"), ("--nproc-per-node",)),
+    "decoder_model": Case((TINY_TEXT, "--set", "model.hf_config.model_type=gpt2"), ("'gpt2'", "decoder")),
+    "attention_kernel_the_model_lacks": Case((TINY_TEXT, "--set", "model.hf_config.model_type=mpnet"),
+                                             ("mpnet", "model.attn_implementation", "eager")),
 }
 
 
