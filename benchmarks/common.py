@@ -140,8 +140,8 @@ class TaskSpec:
         overrides = [f"data.max_train_samples={self.quick_train_samples}",
                      f"data.max_eval_samples={self.quick_eval_samples}", f"train.epochs={self.quick_epochs}"]
         config = load_config(self.config(member))  # intervals in steps, at full size
-        if member not in BASELINE_MEMBERS:
-            interval = scaled_interval(config.freeze.interval, self.full_train_samples, self.quick_train_samples)
+        if member not in BASELINE_MEMBERS and config.freeze.interval_unit == "steps":  # fractions scale themselves
+            interval = scaled_interval(int(config.freeze.interval), self.full_train_samples, self.quick_train_samples)
             overrides.append(f"freeze.interval={interval}")
         if config.train.eval_every_steps:  # as many evaluations per epoch as the full run, for every member
             every = scaled_interval(config.train.eval_every_steps, self.full_train_samples, self.quick_train_samples)

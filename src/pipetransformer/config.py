@@ -107,13 +107,15 @@ class DistConfig:
 
 @dataclass
 class FreezeConfig:
+    """AutoFreeze. The defaults are the tuned result (benchmarks/freeze_transfer): set ``enabled`` and nothing else."""
+
     enabled: bool = False  # AutoFreeze
-    policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "gradient"  # coherence: freeze layers whose gradient became noise; gradient: the paper's test
-    interval: int | float = 1  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
-    interval_unit: Literal["steps", "epochs", "fraction"] = "epochs"  # fraction: of the run's planned steps
-    min_window_steps: int = 20  # interval_unit fraction: no window shorter than this many steps
-    alpha: float = 0.25  # geometric pace, the safety cap of coherence/gradient: fraction of the remaining layers frozen per decision
-    threshold: float = 0.1  # coherence policy: a layer whose gradient coherence is below this has converged
+    policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "coherence"  # coherence: freeze the layers whose gradient turned to noise; gradient: the paper's test
+    interval: int | float = 0.05  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
+    interval_unit: Literal["steps", "epochs", "fraction"] = "fraction"  # fraction: of the run's planned steps
+    min_window_steps: int = 10  # interval_unit fraction: no window shorter than this many steps
+    alpha: float = 1 / 3  # geometric pace, the safety cap of coherence/gradient: fraction of the remaining layers frozen per decision
+    threshold: float = 0.2  # coherence policy: a layer whose gradient coherence stays below this (after it learned) has converged
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     max_fraction: float = 0.84  # at most this fraction of the layers ever freezes
