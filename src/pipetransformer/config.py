@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from pipetransformer.freeze.policies import UNWINDOWED
+
 __all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
 
 
@@ -265,6 +267,8 @@ class Config:
 
     def _validate_freeze_interval(self) -> None:
         interval, unit = self.freeze.interval, self.freeze.interval_unit
+        if self.freeze.policy in UNWINDOWED:  # they read no windows (a schedule counts steps or epochs)
+            return
         if unit == "fraction":
             if not 0.0 < interval <= 1.0:
                 raise ConfigError(f"freeze.interval must be in (0, 1] with interval_unit: fraction (0.05 = every 5% "

@@ -361,72 +361,84 @@ def coherence_trace(coherence_rows: Sequence[Sequence[float | None]], norm: floa
     return norms, dots
 
 
+LEARNING = [0.5] * NUM_LAYERS
+"""A window in which every layer learns: coherence well above any threshold used here."""
+
+
 def test_coherence_freezes_the_prefix_below_the_threshold_and_a_learning_layer_holds_the_rest() -> None:
     # layer 2 still learns (0.3), so layers 3 and 4 below the threshold stay active too
-    norms, dots = coherence_trace([[0.01, 0.05, 0.3, 0.02, 0.01, 0.5]] * 3)
+    norms, dots = coherence_trace([LEARNING] + [[0.01, 0.05, 0.3, 0.02, 0.01, 0.5]] * 3)
     decisions = run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots)
-    assert decisions[0] is None  # one window: converged needs two in a row
-    assert decisions[1] is not None and decisions[1].frozen == frozenset({0, 1})
-    details = decisions[1].details
+    assert decisions[:2] == [None, None]  # learning, then one window below: converged needs two in a row
+    assert decisions[2] is not None and decisions[2].frozen == frozenset({0, 1})
+    details = decisions[2].details
     assert details["candidate"] == 2 and details["coherence"] == pytest.approx([0.01, 0.05, 0.3, 0.02, 0.01, 0.5])
     json.dumps(details)
-    assert decisions[2] is None
+    assert decisions[3] is None
 
 
 def test_coherence_needs_two_windows_in_a_row_below_the_threshold() -> None:
-    # layer 0 dips below the threshold in windows 1 and 3 only (noise); layer 1 from window 2 on
-    norms, dots = coherence_trace([[0.05, 0.5, 0.5, 0.5, 0.5, 0.5], [0.3, 0.05, 0.5, 0.5, 0.5, 0.5],
+    # layer 0 dips below the threshold in windows 2 and 4 only (noise); layer 1 from window 3 on
+    norms, dots = coherence_trace([LEARNING, [0.05, 0.5, 0.5, 0.5, 0.5, 0.5], [0.3, 0.05, 0.5, 0.5, 0.5, 0.5],
                                    [0.05, 0.05, 0.5, 0.5, 0.5, 0.5], [0.05, 0.05, 0.5, 0.5, 0.5, 0.5]])
     counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots))
-    assert counts == [0, 0, 0, 2]
+    assert counts == [0, 0, 0, 0, 2]
+
+
+def test_coherence_waits_for_a_layer_to_learn_before_calling_it_converged() -> None:
+    # Layer 0 is noise from the start (it has not started learning), then learns, then settles.
+    norms, dots = coherence_trace([[0.01] + [0.5] * 5] * 3 + [LEARNING] + [[0.01] + [0.5] * 5] * 2)
+    counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots))
+    assert counts == [0, 0, 0, 0, 0, 1]
 
 
 def test_coherence_is_a_window_ratio_of_sums_not_a_mean_of_ratios() -> None:
     # Layer 0: two steps with coherence 0.0 and 0.3 but the second step's gradient is twice as large:
-    # (0 + 0.3 * 16) / (4 + 16) = 0.24 >= 0.2, though the mean of the two ratios (0.15) is below it.
+    # (0 + 0.3 * 16) / (4 + 16) = 0.24 >= 0.2 (learning), though the mean of the two ratios (0.15) is below it.
     policy = build("coherence", interval=2, alpha=1.0, threshold=0.2)
     policy.observe([2.0] + [1.0] * 5, [0.0] + [0.0] * 5)
     assert policy.decide(1, 0, False) is None
     policy.observe([4.0] + [1.0] * 5, [0.3 * 16] + [0.0] * 5)
-    decision = policy.decide(2, 0, False)
-    assert decision is None  # layer 0 still learns, so nothing freezes
-    assert policy.state_dict()["decisions"] == 1
+    assert policy.decide(2, 0, False) is None
+    assert policy.previous_coherence[0] == pytest.approx(0.24) and policy.learned[0]
+    assert not any(policy.learned[1:])
 
 
 def test_coherence_counts_a_layer_without_valid_dot_products_as_learning() -> None:
-    norms, dots = coherence_trace([[None, 0.01, 0.01, 0.01, 0.01, 0.01]] * 2)
-    assert run(build("coherence", alpha=1.0), norms, dots=dots) == [None, None]
+    norms, dots = coherence_trace([LEARNING] + [[None, 0.01, 0.01, 0.01, 0.01, 0.01]] * 2)
+    assert run(build("coherence", alpha=1.0), norms, dots=dots) == [None, None, None]
     with pytest.raises(ValueError, match="layer_grad_dots"):
         build("coherence").observe([1.0] * NUM_LAYERS)
 
 
 def test_coherence_is_capped_by_the_geometric_bound_and_records_it() -> None:
-    norms, dots = coherence_trace([[0.01] * NUM_LAYERS] * 6)
+    norms, dots = coherence_trace([LEARNING] + [[0.01] * NUM_LAYERS] * 5)
     policy = build("coherence", alpha=1 / 3, max_fraction=0.84)
     decisions = run(policy, norms, dots=dots)
-    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5, 5, 5 from the first window on; every decision from the second
-    # window wants all 6, which max_fraction turns into 5: the bound holds it back in windows 2-4 only
-    assert frozen_counts(decisions) == [0, 3, 4, 5, 5, 5]
-    assert [d.details["candidate"] for d in decisions if d] == [6] * 3
-    assert [d.details["bound"] for d in decisions if d] == [3, 4, 5]
-    assert policy.cap_binds == 2
+    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5, 5, 5; from the third window every layer has converged (6),
+    # which max_fraction turns into 5: the bound holds it back in window 3 only
+    assert frozen_counts(decisions) == [0, 0, 4, 5, 5, 5]
+    assert [d.details["candidate"] for d in decisions if d] == [6] * 2
+    assert [d.details["bound"] for d in decisions if d] == [4, 5]
+    assert policy.cap_binds == 1
 
 
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
-    """Real vectors: a gradient that keeps its direction vs independent noise around zero, 10k dimensions."""
+    """Real vectors, 10k dimensions: every layer's gradient keeps its direction for a window; then layers 0-2
+    turn into independent noise around zero while layers 3-5 keep a signal as large as their noise."""
     rng = np.random.default_rng(0)
     direction = rng.standard_normal(10_000)
     policy = build("coherence", interval=20, alpha=1.0, threshold=0.1)
     previous: list[np.ndarray] | None = None
     decision = None
-    for step in range(40):
-        # layers 0-2: noise only; layers 3-5: signal of the same size as the noise (coherence ~0.5)
-        grads = [rng.standard_normal(10_000) + (direction if layer >= 3 else 0.0) for layer in range(NUM_LAYERS)]
+    for step in range(60):
+        grads = [rng.standard_normal(10_000) + (direction if layer >= 3 or step < 20 else 0.0)
+                 for layer in range(NUM_LAYERS)]
         dots = None if previous is None else [float(g @ p) for g, p in zip(grads, previous)]
         policy.observe([float(np.linalg.norm(g)) for g in grads], dots or [None] * NUM_LAYERS)
-        decision = policy.decide(step, 0, False)
+        decision = policy.decide(step, 0, False) or decision
         previous = grads
-    assert decision is not None and decision.frozen == frozenset({0, 1, 2})
+    assert decision is not None and decision.frozen == frozenset({0, 1, 2}) and decision.step == 59
     coherence = decision.details["coherence"]
     assert all(abs(c) < 0.02 for c in coherence[:3]) and all(0.4 < c < 0.6 for c in coherence[3:])
 

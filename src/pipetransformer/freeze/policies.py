@@ -44,6 +44,8 @@ __all__ = [
 
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
+UNWINDOWED = ("schedule", "none")
+"""Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
@@ -577,10 +579,13 @@ def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_ste
     ``total_steps`` (the run's planned optimizer steps) turns ``interval_unit: fraction`` into a window in
     steps. ``enabled=False`` gives the ``none`` policy, so a run without AutoFreeze still counts steps and windows.
     """
+    name = settings.policy if enabled else "none"
     interval, unit = settings.interval, settings.interval_unit
-    if unit == "fraction":
+    if name in UNWINDOWED:
+        interval, unit = 1, "epochs" if unit == "epochs" else "steps"  # a schedule counts steps or epochs
+    elif unit == "fraction":
         interval, unit = window_steps(interval, total_steps, settings.min_window_steps), "steps"
-    return make_policy(settings.policy if enabled else "none", num_layers, interval=int(interval),
+    return make_policy(name, num_layers, interval=int(interval),
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold, seed=seed)
