@@ -76,7 +76,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 1  # passes over the training set
-    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs when reached)
+    max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps; the lr schedule still spans epochs
     batch_size: int = 32  # global batch (all replicas together)
     optimizer: Literal["adamw", "sgd"] = "adamw"  # state moves with its parameters at layout changes
     lr: float = 5e-5  # peak learning rate

@@ -187,8 +187,7 @@ class Trainer:
 
     def _total_steps(self) -> int:
         per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
-        total = per_epoch * self.config.train.epochs
-        return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+        return per_epoch * self.config.train.epochs  # max_steps only stops: a resume without it goes on alike
 
     # ----------------------------------------------------------------------------------- layout
     def _frozen_prefix_blocks(self) -> int:
@@ -528,16 +527,20 @@ class Trainer:
                         self._record_eval(started)
                     done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
                     every = self.config.checkpoint.every_steps
-                    periodic = every and self.progress.step % every == 0 and not self._epoch_exhausted()
-                    if self._stop_requested or periodic:  # at an epoch's end the epoch-end checkpoint follows
+                    periodic = every and self.progress.step % every == 0
+                    mid_epoch = not self._epoch_exhausted()  # at an epoch's end the epoch-end checkpoint follows
+                    if self._stop_requested or (mid_epoch and (periodic or done)):
                         self.save_checkpoint(started)
                     if self._stop_requested:
                         logger.warning("SIGTERM: checkpoint written at step %d, stopping", self.progress.step)
                         return self._finish(started)
+                if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
+                    break
                 if not cfg.eval_every_steps:
                     self._record_eval(started)
+                # Applied even on the last step: a checkpoint's policy state is always the model's frozen state.
                 decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
-                if decision is not None and not done:
+                if decision is not None:
                     self._apply_decision(decision)
                 self.progress.epoch_done = True
                 self.save_checkpoint(started)

@@ -126,3 +126,30 @@ def test_worker_dying_in_a_handover_fails_fast_then_restart_resumes_exactly(tmp_
         assert torch.equal(optimizer_state(restarted)[name], tensor), f"{name} differs after the restart"
     for epoch, indices in seen_samples(restarted).items():
         assert sorted(indices) == list(range(96)), f"epoch {epoch}: not every sample exactly once"
+
+
+TEXT = "tiny_text.yaml"
+EPOCH_FREEZE = ("run.save_model=true", "run.record_samples=true", "deterministic=true", "freeze.enabled=true",
+                "freeze.policy=geometric", "freeze.interval_unit=epochs", "freeze.alpha=0.5")
+
+
+def test_max_steps_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """tiny_text: 2 epochs of 8 steps. Stopped by train.max_steps=5 mid-epoch, then resumed without a limit: the
+    rest of epoch 0 is trained, the epoch-end freeze happens at step 8 (not at the stop), and the end is
+    bit-identical to a run that never stopped."""
+    reference = tmp_path / "reference"
+    run_job(TEXT, reference, *EPOCH_FREEZE)
+    stopped = tmp_path / "stopped"
+    run_job(TEXT, stopped, *EPOCH_FREEZE, "train.max_steps=5")
+    assert summary(stopped)["freeze_decisions"] == []
+    run_job(TEXT, stopped, *EPOCH_FREEZE, extra_args=("--resume",))
+
+    result, expected = summary(stopped), summary(reference)
+    assert (result["steps"], result["train_samples"]) == (expected["steps"], expected["train_samples"]) == (16, 512)
+    assert [d["step"] for d in result["freeze_decisions"]] == [d["step"] for d in expected["freeze_decisions"]] == [8, 16]
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(stopped)[name], tensor), f"{name} differs after resume"
+    assert optimizer_state(stopped).keys() == optimizer_state(reference).keys()
+    for name, tensor in optimizer_state(reference).items():
+        assert torch.equal(optimizer_state(stopped)[name], tensor), f"{name} differs after resume"
+    assert seen_samples(stopped) == seen_samples(reference)
