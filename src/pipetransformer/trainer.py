@@ -42,7 +42,7 @@ from .models import BlockSequence, build_model, load_tokenizer, minilm_path
 from .optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 from .pipe.cost import BlockCost
 from .pipe.layout import transfer_plan
-from .pipe.planner import LayoutPlan, plan_layout
+from .pipe.planner import LayoutPlan, plan_layout, step_micro_batches
 from .pipe.profile import estimate_block_costs
 from .pipe.stage import PipelineRunner, StageModule
 
@@ -291,7 +291,7 @@ class Trainer:
                              is_last=held.stage == held.plan.layout.num_stages - 1)
         assert self.pipe_group is not None
         self.runner = PipelineRunner(module, held.stage, held.plan.layout.num_stages, self.env.device,
-                                     self.pipe_group, self.config.pipe.schedule, self._pipeline_loss)
+                                     self.pipe_group, self._pipeline_loss)
 
     def _ensure_cache(self, plan: LayoutPlan) -> None:
         """Create the shared store the first time the cache is needed (all ranks, same moment)."""
@@ -390,9 +390,10 @@ class Trainer:
             elif batch is not None and self.runner is not None:
                 with timer.phase("forward_backward"):
                     inputs = self._prefix(batch) if held.stage == 0 else None
-                    micro = _largest_divisor_at_most(len(batch), held.plan.micro_batches)
+                    micro, schedule = step_micro_batches(len(batch), held.plan.micro_batches, layout.num_stages,
+                                                         self.config.pipe.schedule)
                     shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if self.train_set.task == "text" else ()))
-                    losses = self.runner.step(shape_key, micro, inputs, batch.labels.to(self.env.device))
+                    losses = self.runner.step(shape_key, micro, schedule, inputs, batch.labels.to(self.env.device))
                 if losses:
                     loss_sum += sum(float(l.detach()) for l in losses)
             with timer.phase("allreduce"):
@@ -746,11 +747,6 @@ class Trainer:
 @dataclass(frozen=True)
 class _Bounds:
     bounds: list[tuple[int, int]]
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    """Micro-batches must be equal in size (a stage's buffers have one shape)."""
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def _jsonable(value: Any) -> bool:

@@ -134,3 +134,18 @@ def test_layer_lr_decay_scales_each_blocks_update(tmp_path: Path) -> None:
         block = int(name.split(".")[1])
         expected = (runs["full"][name] - initial) * 0.5 ** (num_blocks - 1 - block)
         torch.testing.assert_close(runs["decayed"][name] - initial, expected, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("samples", [45, 33], ids=["tail-13-prime", "tail-1-below-stages"])
+def test_1f1b_epoch_tail_of_an_odd_size(tmp_path: Path, samples: int) -> None:
+    """An epoch of 32 + a tail of 13 (prime, above the 8 micro-batches: 13 of one sample each) or of 1 (fewer
+    samples than stages: that step runs GPipe) under 1F1B trains as one process does, and does not crash."""
+    common = (*SAVE, f"data.max_train_samples={samples}", "train.epochs=1")
+    reference = tmp_path / "reference"
+    run_job(TEXT, reference, *common)
+    piped = tmp_path / "piped"
+    run_job(TEXT, piped, *common, "pipe.enabled=true", "pipe.stages=2", "pipe.schedule=1f1b", "pipe.micro_batches=8",
+            nproc=2)
+    assert summary(piped)["steps"] == 2 and summary(piped)["train_samples"] == samples
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
