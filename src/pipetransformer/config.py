@@ -47,7 +47,7 @@ class RunConfig:
     dir: str | None = None  # run directory; default runs/<config name>-<timestamp>
     name: str | None = None  # defaults to the config file's stem
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
-    progress: bool = True  # progress bar on rank 0
+    progress: bool = True  # progress bar on rank 0, in samples
     save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
@@ -83,7 +83,7 @@ class TrainConfig:
     weight_decay: float = 0.01  # decoupled (AdamW); frozen parameters leave the optimizer
     momentum: float = 0.9  # sgd only
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
-    warmup_fraction: float = 0.06  # of the total steps
+    warmup_fraction: float = 0.06  # of the schedule, which spans train.epochs in samples
     layer_lr_decay: float = 1.0  # block i of n trains at lr * decay^(n-1-i) (head: full rate); 1 = off
     grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
     eval_every_steps: int | None = None  # null = at every epoch end; N = every N steps (not at epoch ends)

@@ -134,7 +134,7 @@ class Trainer:
                                    next_step=self.progress.step + 1) if self.env.is_main else None)
         self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
                            if config.run.record_samples else None)
-        self.total_steps = self._total_steps()
+        self._lr = 0.0  # of the current step
         self._loss_denominator = 1
         self._allreduce_bytes = 0
         self._layer_norms: list[float] = []
@@ -185,9 +185,17 @@ class Trainer:
             dist.broadcast(table, src=0)
         return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
 
-    def _total_steps(self) -> int:
-        per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
-        return per_epoch * self.config.train.epochs  # max_steps only stops: a resume without it goes on alike
+    def _total_samples(self) -> int:
+        """The length of the learning-rate schedule and the progress bar, in samples: steps are not known in
+        advance when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
+        return len(self.train_set) * self.config.train.epochs
+
+    def _samples_done(self) -> int:
+        """Samples of the schedule before the sampler's position; a finished epoch counts whole, its dropped
+        tail (drop_last) included."""
+        epoch = self.progress.epoch + 1 if self.progress.epoch_done else self.sampler.epoch
+        position = 0 if self.progress.epoch_done else self.sampler.position
+        return epoch * len(self.train_set) + position
 
     # ----------------------------------------------------------------------------------- layout
     def _frozen_prefix_blocks(self) -> int:
@@ -371,6 +379,9 @@ class Trainer:
         held = self.held
         layout = held.plan.layout
         self._loss_denominator = len(global_batch)
+        size = len(global_batch)
+        self._lr = lr_at(self._samples_done() - size, self._total_samples(), self.config.train, size)
+        self._lr *= self._lr_scale()
         loss_sum = torch.zeros((), dtype=torch.float64)
         if held.stage is not None:
             assert held.replica is not None
@@ -412,7 +423,7 @@ class Trainer:
                     grads = [p.grad for p in self._held_params(held) if p.grad is not None]
                     if coef < 1.0 and grads:
                         torch._foreach_mul_(grads, coef)
-                set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
+                set_lr(self.optimizer, self._lr)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self._layer_norms = [math.sqrt(float(v)) for v in layer_sq]
@@ -497,8 +508,8 @@ class Trainer:
         started = self._started = time.perf_counter() - self.progress.elapsed_before_s
         timer = StepTimer(self.env.device)
         cfg = self.config.train
-        bar = _progress_bar(self.total_steps, self.progress.step) if self.env.is_main and self.config.run.progress \
-            else None
+        bar = (_progress_bar(self._total_samples(), self._samples_done())
+               if self.env.is_main and self.config.run.progress else None)
         resumed_mid_epoch = self.progress.step > 0 and not self.progress.epoch_done
         first_epoch = self.progress.epoch + (1 if self.progress.epoch_done else 0)
         done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
@@ -544,6 +555,8 @@ class Trainer:
                 if decision is not None:
                     self._apply_decision(decision)
                 self.progress.epoch_done = True
+                if bar is not None:
+                    bar.update(self._samples_done() - bar.n)  # a dropped tail counts as done
                 self.save_checkpoint(started)
             if not self.progress.eval_history or self.progress.eval_history[-1]["step"] != self.progress.step:
                 self._record_eval(started)  # the final model, whatever eval_every_steps is
@@ -683,7 +696,7 @@ class Trainer:
     def _log_step(self, loss: float, samples: int, step_s: float, timer: StepTimer, bar: Any) -> None:
         layout = self.held.plan.layout
         if bar is not None:
-            bar.update(1)
+            bar.update(samples)
             bar.set_postfix_str(f"loss {loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
                                 f"{len(self.policy.frozen)} | stages {layout.num_stages} x dp {layout.dp_width}")
         if self.metrics is None:
@@ -692,7 +705,7 @@ class Trainer:
         if step % self.config.run.log_every and step != 1:
             return
         record = {"event": "step", "step": step, "epoch": self.progress.epoch, "loss": loss,
-                  "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
+                  "lr": self._lr,
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
                   "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes, "layer_grad_norms": self._layer_norms,
