@@ -25,13 +25,14 @@ import torch.nn.functional as F
 
 from .cache.prefix import FrozenPrefixCache
 from .cache.store import ActivationStore, StoreLayout, spec_from_activation
-from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, check_compatible, latest_valid_checkpoint,
-                         load_checkpoint, model_fingerprint, save_checkpoint)
+from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, CheckpointError, check_compatible,
+                         latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint)
 from .config import Config, ConfigError, config_to_dict
 from .data import load_datasets
 from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
-from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
+from .distributed import (DistEnv, broadcast_string, broadcast_tensors, init_distributed, new_groups,
+                          raise_together, shutdown_distributed)
 from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
@@ -605,14 +606,21 @@ class Trainer:
         }
 
     def save_checkpoint(self, started: float) -> None:
-        """Gather the layout-independent state on rank 0 and write it atomically (all ranks must call)."""
+        """Gather the layout-independent state on rank 0 and write it atomically (all ranks must call); if the
+        write fails, every rank raises its CheckpointError."""
         if not self.config.checkpoint.enabled:
             return
         weights, optimizer = self.gather_state()
-        if not self.env.is_main:
+        saved, error = None, ""
+        if self.env.is_main:
+            try:
+                saved = save_checkpoint(self.checkpoint_dir, self.progress.step, weights, optimizer,
+                                        self._meta(started), keep=self.config.checkpoint.keep)
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
+        if saved is None:
             return
-        saved = save_checkpoint(self.checkpoint_dir, self.progress.step, weights, optimizer, self._meta(started),
-                                keep=self.config.checkpoint.keep)
         record = {"step": saved.step, "bytes": saved.bytes_written, "seconds": saved.seconds, "path": str(saved.path)}
         self.progress.checkpoints.append(record)
         if self.metrics is not None:
@@ -620,22 +628,37 @@ class Trainer:
             self.metrics.flush()  # the events up to this checkpoint survive a kill; a resume continues from here
 
     def _resume_checkpoint(self) -> Checkpoint | None:
-        """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank."""
+        """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank.
+
+        Rank 0 alone reads and verifies it and hands it to the others; a checkpoint that cannot be read or
+        used makes every rank raise the same CheckpointError.
+        """
         resume = self.config.checkpoint.resume
         if resume is None:
             return None
-        if resume == "auto":
-            checkpoint = latest_valid_checkpoint(self.checkpoint_dir) if self.env.is_main else None
-            chosen = broadcast_string(str(checkpoint.path) if checkpoint is not None else "")
-            if not chosen:
-                logger.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
-                return None
-        else:
-            chosen = resume
-        checkpoint = load_checkpoint(Path(chosen))
-        check_compatible(checkpoint.meta, model_fingerprint=model_fingerprint(self.model.named_parameters()),
-                         config=config_to_dict(self.config))
-        return checkpoint
+        checkpoint, error = None, ""
+        if self.env.is_main:
+            try:
+                checkpoint = (latest_valid_checkpoint(self.checkpoint_dir) if resume == "auto"
+                              else load_checkpoint(Path(resume)))
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
+        path = broadcast_string(str(checkpoint.path) if checkpoint is not None else "")
+        if not path:
+            logger.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
+            return None
+        meta = json.loads(broadcast_string(json.dumps(checkpoint.meta) if checkpoint is not None else ""))
+        error = ""
+        try:  # on every rank: its own model and config
+            check_compatible(meta, model_fingerprint=model_fingerprint(self.model.named_parameters()),
+                             config=config_to_dict(self.config))
+        except CheckpointError as failure:
+            error = str(failure)
+        raise_together(error, CheckpointError)
+        weights = broadcast_tensors(checkpoint.weights if checkpoint is not None else None)
+        optimizer = broadcast_tensors(checkpoint.optimizer if checkpoint is not None else None)
+        return Checkpoint(Path(path), int(meta["step"]), weights, optimizer, meta)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         meta = checkpoint.meta

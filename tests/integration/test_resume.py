@@ -154,3 +154,14 @@ def test_max_steps_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path: P
     for name, tensor in optimizer_state(reference).items():
         assert torch.equal(optimizer_state(stopped)[name], tensor), f"{name} differs after resume"
     assert seen_samples(stopped) == seen_samples(reference)
+
+
+def test_a_failed_checkpoint_write_stops_every_worker_with_its_message(tmp_path: Path) -> None:
+    """Rank 0 cannot write its checkpoint: every worker stops with that one-line error, none with a lost peer."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_job(VIT, tmp_path / "run", f"checkpoint.dir={blocker}/checkpoints", "checkpoint.every_steps=1",
+                     nproc=2, expect_ok=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot write checkpoint to {blocker}")
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
