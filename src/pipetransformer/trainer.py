@@ -38,7 +38,7 @@ from .dp.sync import GradientSync
 from .faults import maybe_fail
 from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
 from .freeze.policies import FreezeDecision
-from .metrics import JsonlWriter, MetricsLog, StepTimer, write_json
+from .metrics import JsonlWriter, MetricsLog, StepTimer, truncate_log, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
 from .optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 from .pipe.cost import BlockCost
@@ -56,6 +56,7 @@ LENGTH_BUCKET = 8
 PROFILE_BATCH = 8
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+SAMPLE_LOG_PREFIX = "samples-rank"  # + rank + .jsonl (run.record_samples)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -131,9 +132,11 @@ class Trainer:
         if resumed is not None:
             self._restore_optimizer(resumed.optimizer)
         append = resumed is not None
+        if append:
+            self._truncate_sample_logs()
         self.metrics = (MetricsLog(self.run_dir, append=append, tensorboard=config.run.tensorboard,
                                    next_step=self.progress.step + 1) if self.env.is_main else None)
-        self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
+        self.sample_log = (JsonlWriter(self.run_dir / f"{SAMPLE_LOG_PREFIX}{self.env.rank}.jsonl", append)
                            if config.run.record_samples else None)
         self._lr = 0.0  # of the current step
         self._loss_denominator = 1
@@ -675,6 +678,14 @@ class Trainer:
         if meta["world_size"] == self.env.world_size:
             self.initial_width = meta["initial_width"]
         logger.info("resumed from %s (step %d, epoch %d)", checkpoint.path, self.progress.step, self.progress.epoch)
+
+    def _truncate_sample_logs(self) -> None:
+        """Cut each rank's sample log back to the checkpoint (the rank's own, and rank 0 those of ranks this run
+        no longer has), so a step the killed attempt trained after it is recorded once."""
+        for path in self.run_dir.glob(f"{SAMPLE_LOG_PREFIX}*.jsonl"):
+            rank = int(path.stem.removeprefix(SAMPLE_LOG_PREFIX))
+            if rank == self.env.rank or (self.env.is_main and rank >= self.env.world_size):
+                truncate_log(path, self.progress.step)
 
     def _restore_optimizer(self, state: dict[str, torch.Tensor]) -> None:
         if self.optimizer is None:

@@ -7,6 +7,7 @@ sample of every epoch exactly once.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -51,6 +52,10 @@ def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, rank: int) -> None:
     for epoch, indices in seen_samples(crashed).items():
         assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}: not every sample exactly once"
     assert len(seen_samples(crashed)) == 6
+    # The logs hold each step once: what the killed attempt wrote after its checkpoint was cut at the resume.
+    assert [s["step"] for s in logged_records(crashed, "step")] == list(range(1, 37))
+    for log in crashed.glob("samples-rank*.jsonl"):
+        assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 37)), log.name
     # TensorBoard shows each step once, the killed attempt's steps up to its checkpoint and the resumed run's after.
     expected = [(s["step"], pytest.approx(s["loss"])) for s in logged_records(reference, "step")]
     assert event_scalars(crashed / "tensorboard", "train/loss") == expected
