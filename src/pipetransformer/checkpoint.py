@@ -3,7 +3,7 @@
 One directory per checkpoint, named after its step::
 
     <dir>/step-000000123/
-        weights.safetensors     every parameter, by name (layout-independent)
+        weights.safetensors     every parameter and persistent buffer, by name (layout-independent)
         optimizer.safetensors   "<param name>.<state key>" -> tensor
         manifest.json           format version, step, size + sha256 of each file, the caller's metadata,
                                 and a sha256 of the manifest itself
@@ -129,8 +129,9 @@ def checkpoint_dir_name(step: int) -> str:
 def model_fingerprint(
     weights_or_shapes: Mapping[str, Any] | Iterable[tuple[str, Any]],
 ) -> str:
-    """sha256 over parameter names, shapes and dtypes (not values): the same architecture resumes, another
-    one is refused. Takes ``{name: tensor}``, ``{name: (shape, dtype)}`` or ``model.named_parameters()``."""
+    """sha256 over tensor names, shapes and dtypes (not values): the same architecture resumes, another one
+    is refused. Takes ``{name: tensor}`` (``model.state_dict()``), ``{name: (shape, dtype)}`` or
+    ``model.named_parameters()``."""
     items = weights_or_shapes.items() if isinstance(weights_or_shapes, Mapping) else weights_or_shapes
     entries = []
     for name, value in items:

@@ -605,7 +605,7 @@ class Trainer:
             "initial_width": self.initial_width,
             "world_size": self.env.world_size,
             META_CONFIG_KEY: config_to_dict(self.config),
-            META_FINGERPRINT_KEY: model_fingerprint(self.model.named_parameters()),
+            META_FINGERPRINT_KEY: model_fingerprint(self.model.state_dict()),
         }
 
     def save_checkpoint(self, started: float) -> None:
@@ -654,7 +654,7 @@ class Trainer:
         meta = json.loads(broadcast_string(json.dumps(checkpoint.meta) if checkpoint is not None else ""))
         error = ""
         try:  # on every rank: its own model and config
-            check_compatible(meta, model_fingerprint=model_fingerprint(self.model.named_parameters()),
+            check_compatible(meta, model_fingerprint=model_fingerprint(self.model.state_dict()),
                              config=config_to_dict(self.config))
         except CheckpointError as failure:
             error = str(failure)
@@ -698,8 +698,8 @@ class Trainer:
                 self.optimizer.state[param] = {k: state[f"{name}.{k}"].clone() for k in keys}
 
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The layout-independent training state on rank 0: every block's parameters and the optimizer
-        state of every trainable parameter, keyed by parameter name (other ranks get empty dicts)."""
+        """The layout-independent training state on rank 0: every block's parameters and persistent buffers,
+        and the optimizer state of every trainable parameter, keyed by name (other ranks get empty dicts)."""
         plan = self.held.plan
         received: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
         if self.env.distributed:
@@ -711,9 +711,9 @@ class Trainer:
         if not self.env.is_main:
             return {}, {}
         own = self.optimizer.state if self.optimizer is not None else {}
-        weights, optimizer = {}, {}
+        weights = {name: tensor.detach().clone().contiguous() for name, tensor in self.model.state_dict().items()}
+        optimizer = {}
         for name, param in self.model.named_parameters():
-            weights[name] = param.detach().clone().contiguous()
             state = received.get(param) or own.get(param)
             if param.requires_grad and state:
                 for key in OPTIMIZER_STATE_KEYS[self.config.train.optimizer]:

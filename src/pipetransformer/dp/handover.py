@@ -1,8 +1,8 @@
 """Training-state handover between ranks when the layout changes (AutoDP) and for evaluation/checkpoints.
 
 Every rank builds the whole block sequence at start (same seed or same pretrained weights), but only the
-blocks it *holds* are trained there; the others go stale. A block's state is its parameters plus the
-optimizer state of its trainable parameters. When a rank starts holding a block, the block's current
+blocks it *holds* are trained there; the others go stale. A block's state is its parameters and persistent
+buffers plus the optimizer state of its trainable parameters. When a rank starts holding a block, the block's current
 state is sent to it point to point from a rank that held it, so a new replica is indistinguishable from
 an old one. Everything is sent as tensors with shapes both sides know: nothing is pickled.
 """
@@ -40,8 +40,13 @@ def _state_template(param: nn.Parameter, key: str) -> torch.Tensor:
     return torch.empty_like(param)
 
 
-def block_tensors(model: BlockSequence, block: int) -> list[nn.Parameter]:
-    return list(model.blocks[block].parameters())
+def block_tensors(model: BlockSequence, block: int) -> list[torch.Tensor]:
+    """A block's state as its ``state_dict`` has it, in one order on every rank: parameters and persistent
+    buffers (running statistics train too); a tensor tied under two names once."""
+    tensors: dict[int, torch.Tensor] = {}
+    for tensor in model.blocks[block].state_dict(keep_vars=True).values():
+        tensors.setdefault(id(tensor), tensor)
+    return list(tensors.values())
 
 
 def transfer_blocks(model: BlockSequence, transfers: Sequence[BlockTransfer], optimizer: torch.optim.Optimizer | None,

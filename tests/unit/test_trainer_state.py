@@ -1,0 +1,54 @@
+"""The training state a checkpoint carries, in one process on the tiny text model: persistent buffers too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pipetransformer.trainer as trainer_module
+from pipetransformer.config import load_config
+from pipetransformer.models import BlockSequence, build_model
+from pipetransformer.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+BUFFER = "batches_seen"
+
+
+def _count_training_batches(module: nn.Module, inputs: Any) -> None:
+    if module.training:
+        getattr(module, BUFFER).add_(1)
+
+
+def _with_a_running_statistic(*args: Any, **kwargs: Any) -> BlockSequence:
+    """The real tiny model, its head keeping a persistent running statistic (as BatchNorm's num_batches_tracked)."""
+    model = build_model(*args, **kwargs)
+    head = model.blocks[-1]
+    head.register_buffer(BUFFER, torch.zeros((), dtype=torch.int64))
+    head.register_forward_pre_hook(_count_training_batches)
+    return model
+
+
+def _fit(run_dir: Path, *overrides: str) -> Trainer:
+    trainer = Trainer(load_config(ROOT / "configs" / "tiny_text.yaml", [f"run.dir={run_dir}", *overrides]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_persistent_buffers_are_checkpointed_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer_module, "build_model", _with_a_running_statistic)
+    reference = _fit(tmp_path / "reference", "train.epochs=1")
+    _fit(tmp_path / "stopped", "train.epochs=1", "train.max_steps=3")
+    resumed = _fit(tmp_path / "stopped", "train.epochs=1", "checkpoint.resume=auto")
+    assert resumed.progress.restarts == 1 and resumed.progress.step == reference.progress.step == 8
+    counted = getattr(resumed.model.blocks[-1], BUFFER)
+    assert int(counted) == int(getattr(reference.model.blocks[-1], BUFFER)) == 8, "the buffer did not resume"
+    for (name, tensor), expected in zip(resumed.model.state_dict().items(), reference.model.state_dict().values(),
+                                        strict=True):
+        assert torch.equal(tensor, expected), f"{name} differs after resume"
