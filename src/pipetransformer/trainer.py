@@ -33,7 +33,7 @@ from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
 from .distributed import (DistEnv, broadcast_string, broadcast_tensors, init_distributed, new_groups,
                           raise_together, shutdown_distributed)
-from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
+from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, place_state, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
 from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
@@ -695,7 +695,7 @@ class Trainer:
         for param in self._held_params(self.held):
             name = names[id(param)]
             if f"{name}.{keys[0]}" in state:
-                self.optimizer.state[param] = {k: state[f"{name}.{k}"].clone() for k in keys}
+                self.optimizer.state[param] = place_state(param, {k: state[f"{name}.{k}"].clone() for k in keys})
 
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The layout-independent training state on rank 0: every block's parameters and persistent buffers,

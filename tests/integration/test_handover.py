@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 WIDTH = 4
+TIMEOUT_S = 60  # a send that finds no matching receive fails the test instead of hanging it
 
 
 def _model() -> BlockSequence:
@@ -30,29 +32,38 @@ def _model() -> BlockSequence:
                          nn.Linear(WIDTH, 2), task="image")
 
 
-def _train_a_step(model: BlockSequence, optimizer: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, WIDTH)).square().sum().backward()
+def _train_a_step(model: BlockSequence, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    model(torch.randn(8, WIDTH, device=device)).square().sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def _worker(rank: int, port: int, out: str, kind: str) -> None:
+def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    model = _model()
-    config = TrainConfig(optimizer=kind)
-    optimizer = build_optimizer(model.parameters(), config)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The trainer's default group (pipetransformer.distributed): CPU tensors over gloo, CUDA ones over NCCL.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+    model = _model().to(device)
+    optimizer = build_optimizer(model.parameters(), TrainConfig(optimizer=kind))
     if rank == 0:  # only the owner trains: rank 1's copy of the model is stale
         for _ in range(2):
-            _train_a_step(model, optimizer)
+            _train_a_step(model, optimizer, device)
     received = transfer_blocks(model, [BlockTransfer(1, 0, 1)], optimizer, kind, rank)  # a handover
     broadcast_blocks(model, {2: 0}, [2])  # as for an evaluation
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    source = optimizer.state if rank == 0 else received
     names = {p: n for n, p in model.named_parameters()}
-    for param, values in source.items():
+    state = {f"model.{k}": v.cpu().clone() for k, v in model.state_dict().items()}
+    for param, values in (optimizer.state if rank == 0 else received).items():
         if names[param].startswith("blocks.1."):
-            state.update({f"optimizer.{names[param]}.{key}": value for key, value in values.items()})
+            assert all(v.device == param.device for v in values.values()), f"{names[param]}: state off its device"
+            state.update({f"optimizer.{names[param]}.{key}": value.cpu().clone() for key, value in values.items()})
+    if rank == 1:  # the new owner steps with what it received
+        fresh = build_optimizer(model.blocks[1].parameters(), TrainConfig(optimizer=kind))
+        for param, values in received.items():
+            fresh.state[param] = values
+        _train_a_step(model, fresh, device)
     torch.save(state, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -63,9 +74,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda(devices=WORLD))])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_a_moved_block_arrives_with_its_buffers_and_optimizer_state(tmp_path: Path, kind: str) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), kind), nprocs=WORLD, join=True)
+def test_a_moved_block_arrives_with_its_buffers_and_optimizer_state(tmp_path: Path, kind: str, device: str) -> None:
+    """On CUDA (NCCL) every state tensor must travel on the device on both ends, fused AdamW's step included."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), kind, device), nprocs=WORLD, join=True)
     owner, new = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
     moved = [name for name in owner if name.startswith(("model.blocks.1.", "model.blocks.2.", "optimizer."))]
     assert "model.blocks.1.1.running_mean" in moved and "model.blocks.1.1.num_batches_tracked" in moved

@@ -52,3 +52,14 @@ def test_persistent_buffers_are_checkpointed_and_resumed(tmp_path: Path, monkeyp
     for (name, tensor), expected in zip(resumed.model.state_dict().items(), reference.model.state_dict().values(),
                                         strict=True):
         assert torch.equal(tensor, expected), f"{name} differs after resume"
+
+
+@pytest.mark.cuda
+def test_a_resumed_optimizer_keeps_its_state_on_the_device(tmp_path: Path) -> None:
+    """A checkpoint's CPU tensors are restored onto the parameters' device, which fused AdamW requires."""
+    cuda = ("dist.device=cuda", "train.epochs=1")
+    _fit(tmp_path, *cuda, "train.max_steps=3")
+    resumed = _fit(tmp_path, *cuda, "checkpoint.resume=auto")
+    assert resumed.progress.step == 8 and resumed.optimizer is not None
+    for param, state in resumed.optimizer.state.items():
+        assert all(value.device == param.device for value in state.values() if isinstance(value, torch.Tensor))

@@ -5,12 +5,18 @@ blocks it *holds* are trained there; the others go stale. A block's state is its
 buffers plus the optimizer state of its trainable parameters. When a rank starts holding a block, the block's current
 state is sent to it point to point from a rank that held it, so a new replica is indistinguishable from
 an old one. Everything is sent as tensors with shapes both sides know: nothing is pickled.
+
+Where state lives is one rule, :func:`place_state`: every tensor of a block's state, optimizer state
+included, on the device of its parameter (the stage's device). Both ends of every transfer then hold the
+tensor on the same kind of device, so they use the same transport of the default group (NCCL for CUDA
+tensors, gloo for CPU ones); what only describes the payload (flags) is a CPU tensor on both ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +24,8 @@ from torch import nn
 
 from ..models.blocks import BlockSequence
 
-__all__ = ["BlockTransfer", "OPTIMIZER_STATE_KEYS", "transfer_blocks", "broadcast_blocks", "block_tensors"]
+__all__ = ["BlockTransfer", "OPTIMIZER_STATE_KEYS", "transfer_blocks", "broadcast_blocks", "block_tensors",
+           "place_state"]
 
 OPTIMIZER_STATE_KEYS: dict[str, tuple[str, ...]] = {
     "adamw": ("step", "exp_avg", "exp_avg_sq"),
@@ -34,9 +41,15 @@ class BlockTransfer:
     dst: int
 
 
+def place_state(param: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``param``'s optimizer state with every tensor on ``param``'s device, as fused AdamW keeps even its ``step``:
+    what a handover sends and receives, and what a checkpoint's CPU tensors become when restored."""
+    return {key: value.to(param.device) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def _state_template(param: nn.Parameter, key: str) -> torch.Tensor:
     if key == "step":
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=param.device)
     return torch.empty_like(param)
 
 
@@ -88,9 +101,9 @@ def transfer_blocks(model: BlockSequence, transfers: Sequence[BlockTransfer], op
             if not has_state:
                 continue
             if sending:
+                placed = place_state(param, state[param])
                 for key in keys:
-                    tensor = state[param][key]
-                    ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group))
+                    ops.append(dist.P2POp(dist.isend, placed[key].contiguous(), peer, group))
             else:
                 slot = {key: _state_template(param, key) for key in keys}
                 received[param] = slot
