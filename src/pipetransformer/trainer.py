@@ -33,7 +33,7 @@ from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
 from .distributed import (DistEnv, broadcast_string, broadcast_tensors, init_distributed, new_groups,
                           raise_together, shutdown_distributed)
-from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, place_state, transfer_blocks
+from .dp.handover import BlockTransfer, broadcast_blocks, place_state, state_tensors, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
 from .freeze import block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers, policy_from_settings
@@ -245,7 +245,7 @@ class Trainer:
                 _Bounds(previous.plan.held_bounds()), previous.plan.layout, _Bounds(bounds), layout)]
             moved = len(transfers)
             maybe_fail("handover", rank)
-            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer, rank)
+            received = transfer_blocks(self.model, transfers, self.optimizer, rank)
         self._destroy_groups()
         self.pipe_group = new_groups(layout.all_pipeline_groups(), rank) if self.env.distributed else None
         self.dp_group = new_groups(layout.all_dp_groups(), rank) if self.env.distributed else None
@@ -688,14 +688,17 @@ class Trainer:
                 truncate_log(path, self.progress.step)
 
     def _restore_optimizer(self, state: dict[str, torch.Tensor]) -> None:
+        """Install the checkpoint's "<param name>.<state key>" tensors for the held parameters, whatever the keys."""
         if self.optimizer is None:
             return
-        keys = OPTIMIZER_STATE_KEYS[self.config.train.optimizer]
+        saved: dict[str, dict[str, torch.Tensor]] = {}
+        for full_name, tensor in state.items():
+            name, _, key = full_name.rpartition(".")  # state keys have no dots, parameter names do
+            saved.setdefault(name, {})[key] = tensor
         names = {id(p): n for n, p in self.model.named_parameters()}
         for param in self._held_params(self.held):
-            name = names[id(param)]
-            if f"{name}.{keys[0]}" in state:
-                self.optimizer.state[param] = place_state(param, {k: state[f"{name}.{k}"].clone() for k in keys})
+            if names[id(param)] in saved:
+                self.optimizer.state[param] = place_state(param, saved[names[id(param)]])
 
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The layout-independent training state on rank 0: every block's parameters and persistent buffers,
@@ -706,8 +709,7 @@ class Trainer:
             owners = {b: plan.layout.rank(0, s) for s, (start, end) in enumerate(plan.held_bounds())
                       for b in range(start, end)}
             transfers = [BlockTransfer(b, owner, 0) for b, owner in sorted(owners.items()) if owner != 0]
-            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer,
-                                       self.env.rank)
+            received = transfer_blocks(self.model, transfers, self.optimizer, self.env.rank)
         if not self.env.is_main:
             return {}, {}
         own = self.optimizer.state if self.optimizer is not None else {}
@@ -716,8 +718,8 @@ class Trainer:
         for name, param in self.model.named_parameters():
             state = received.get(param) or own.get(param)
             if param.requires_grad and state:
-                for key in OPTIMIZER_STATE_KEYS[self.config.train.optimizer]:
-                    optimizer[f"{name}.{key}"] = state[key].detach().clone().reshape(state[key].shape).contiguous()
+                for key, value in state_tensors(param, state).items():
+                    optimizer[f"{name}.{key}"] = value.detach().clone().contiguous()
         return weights, optimizer
 
     def save_model(self, directory: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +33,19 @@ def _model() -> BlockSequence:
                          nn.Linear(WIDTH, 2), task="image")
 
 
+OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adamw": lambda params: build_optimizer(params, TrainConfig(optimizer="adamw")),  # the trainer's (fused)
+    "sgd-without-momentum": lambda params: build_optimizer(params, TrainConfig(optimizer="sgd", momentum=0.0)),
+    "adamw-amsgrad": lambda params: torch.optim.AdamW(params, amsgrad=True),  # an option: max_exp_avg_sq
+    "rmsprop-centered": lambda params: torch.optim.RMSprop(params, momentum=0.9, centered=True),  # another optimizer
+}
+"""Optimizers whose state the handover must carry whole, though it names none of their state keys."""
+EXPECTED_STATE_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"},
+                       "sgd-without-momentum": set(),  # its momentum_buffer is None: nothing to carry
+                       "adamw-amsgrad": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+                       "rmsprop-centered": {"step", "square_avg", "momentum_buffer", "grad_avg"}}
+
+
 def _train_a_step(model: BlockSequence, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     model(torch.randn(8, WIDTH, device=device)).square().sum().backward()
     optimizer.step()
@@ -47,11 +61,11 @@ def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
     model = _model().to(device)
-    optimizer = build_optimizer(model.parameters(), TrainConfig(optimizer=kind))
+    optimizer = OPTIMIZERS[kind](model.parameters())
     if rank == 0:  # only the owner trains: rank 1's copy of the model is stale
         for _ in range(2):
             _train_a_step(model, optimizer, device)
-    received = transfer_blocks(model, [BlockTransfer(1, 0, 1)], optimizer, kind, rank)  # a handover
+    received = transfer_blocks(model, [BlockTransfer(1, 0, 1)], optimizer, rank)  # a handover
     broadcast_blocks(model, {2: 0}, [2])  # as for an evaluation
     names = {p: n for n, p in model.named_parameters()}
     state = {f"model.{k}": v.cpu().clone() for k, v in model.state_dict().items()}
@@ -60,7 +74,7 @@ def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None
             assert all(v.device == param.device for v in values.values()), f"{names[param]}: state off its device"
             state.update({f"optimizer.{names[param]}.{key}": value.cpu().clone() for key, value in values.items()})
     if rank == 1:  # the new owner steps with what it received
-        fresh = build_optimizer(model.blocks[1].parameters(), TrainConfig(optimizer=kind))
+        fresh = OPTIMIZERS[kind](model.blocks[1].parameters())
         for param, values in received.items():
             fresh.state[param] = values
         _train_a_step(model, fresh, device)
@@ -74,15 +88,18 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda(devices=WORLD))])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize(("kind", "device"), [
+    *((kind, "cpu") for kind in OPTIMIZERS),
+    pytest.param("adamw", "cuda", marks=pytest.mark.cuda(devices=WORLD)),
+])
 def test_a_moved_block_arrives_with_its_buffers_and_optimizer_state(tmp_path: Path, kind: str, device: str) -> None:
     """On CUDA (NCCL) every state tensor must travel on the device on both ends, fused AdamW's step included."""
     mp.spawn(_worker, args=(_free_port(), str(tmp_path), kind, device), nprocs=WORLD, join=True)
     owner, new = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
     moved = [name for name in owner if name.startswith(("model.blocks.1.", "model.blocks.2.", "optimizer."))]
     assert "model.blocks.1.1.running_mean" in moved and "model.blocks.1.1.num_batches_tracked" in moved
-    assert any(name.startswith("optimizer.") for name in moved)
+    state_keys = {name.rpartition(".")[2] for name in moved if name.startswith("optimizer.")}
+    assert state_keys == EXPECTED_STATE_KEYS[kind]
     for name in moved:
         assert name in new, f"{name} did not arrive"
         assert torch.equal(new[name], owner[name]), f"{name} differs on the new owner"
