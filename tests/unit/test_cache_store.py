@@ -10,7 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,7 @@ def _text_batch(batch: int, length: int, seed: int) -> Activation:
 
 def _memory_bytes_for(records: int) -> int:
     """A budget that fits the index arrays and ``records`` records (alignment slack included)."""
-    index_bytes = NUM_SAMPLES * (4 + 8) + 64
+    index_bytes = NUM_SAMPLES * (4 + 8 + 8) + 64 * 2  # boundary, checksum, sequence number
     slack = 64 * 2
     return index_bytes + records * TEXT_SPEC.bytes_per_sample + slack
 
@@ -279,3 +279,34 @@ def test_disk_failure_warns_through_logging(tmp_path: Path, caplog: pytest.LogCa
         store.unlink_names()
         assert store.layout.disk_records == 0
     assert sum("disk level disabled" in r.getMessage() for r in caplog.records) == 1
+
+
+class _RewriteBetweenTensors(list):  # type: ignore[type-arg]
+    """A level's per-tensor regions that let another worker rewrite the record while a read is between them."""
+
+    def __init__(self, regions: list[torch.Tensor], rewrite: Callable[[], None]) -> None:
+        super().__init__(regions)
+        self._rewrite = rewrite
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for position, region in enumerate(list.__iter__(self)):
+            if position == 1:
+                self._rewrite()
+            yield region
+
+
+def test_a_record_rewritten_at_the_same_boundary_during_a_read_is_a_miss_not_torn() -> None:
+    with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, LOOSE_BUDGET) as reader:
+        writer = ActivationStore.attach(reader.layout)
+        reader.unlink_names()
+        old, new = _text_batch(1, MAX_LEN, seed=20), _text_batch(1, MAX_LEN, seed=21)
+        reader.write(torch.tensor([3]), old, boundary=2)
+        level = reader._memory  # noqa: SLF001 - the read's copy loop, to interleave a write deterministically
+        level.tensors = _RewriteBetweenTensors(level.tensors, lambda: writer.write(torch.tensor([3]), new, boundary=2))
+        read = reader.read(torch.tensor([3]))
+        assert not read.served.any(), "served the old record's hidden states with the new record's mask"
+        level.tensors = list(level.tensors)
+        again = reader.read(torch.tensor([3]))
+        assert again.served.all() and torch.equal(again.activation[0], new[0])
+        writer.close()
+

@@ -15,9 +15,11 @@ Lifecycle (the distributed trainer puts a barrier between the steps)::
     store.unlink_names()                   # leader, once all have attached: nothing is left behind,
                                            # even on SIGKILL, because the mappings outlive the names
 
-Concurrency: data-parallel workers write disjoint sample indices. A write marks the record empty,
-writes the payload, then its boundary; a read checks the boundary before and after the copy and
-serves the record only if it did not change, so a record being rewritten is a miss, not torn data.
+Concurrency: data-parallel workers write disjoint sample indices. Each record has a sequence number
+(a seqlock): a write makes it odd, marks the record empty, writes the payload and its boundary, then
+makes it even again; a read serves a record only if its sequence number was even and unchanged across
+the copy (and its boundary set), so a record being rewritten is a miss, never torn data, even when the
+rewrite is at the same boundary.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ _MEMORY_SUFFIX = ".mem"
 _DISK_SUFFIX = ".disk"
 _BOUNDARY_DTYPE = torch.int32
 _CHECKSUM_DTYPE = torch.int64
+_SEQUENCE_DTYPE = torch.int64
 
 
 def spec_from_activation(example: Activation, pad_to: int | None = None) -> ActivationSpec:
@@ -153,15 +156,17 @@ def _tensor_offsets(spec: ActivationSpec, capacity: int, start: int) -> tuple[li
     return offsets, offset
 
 
-def _header_offsets(num_samples: int) -> tuple[int, int, int]:
-    """Offsets of the boundary and checksum arrays in the memory file, and the header's end."""
+def _header_offsets(num_samples: int) -> tuple[int, int, int, int]:
+    """Offsets of the boundary, checksum and sequence-number arrays in the memory file, and the header's end."""
     boundary_offset = 0
     checksum_offset = _align(num_samples * _element_size(_BOUNDARY_DTYPE))
-    return boundary_offset, checksum_offset, checksum_offset + num_samples * _element_size(_CHECKSUM_DTYPE)
+    sequence_offset = _align(checksum_offset + num_samples * _element_size(_CHECKSUM_DTYPE))
+    return boundary_offset, checksum_offset, sequence_offset, sequence_offset + num_samples * _element_size(
+        _SEQUENCE_DTYPE)
 
 
 def _memory_file_bytes(num_samples: int, spec: ActivationSpec, records: int) -> int:
-    return _tensor_offsets(spec, records, _header_offsets(num_samples)[2])[1]
+    return _tensor_offsets(spec, records, _header_offsets(num_samples)[3])[1]
 
 
 def _create_file(path: str, nbytes: int) -> None:
@@ -236,17 +241,21 @@ class ActivationStore:
         if layout.memory_path is None:
             self._boundary = torch.full((n,), EMPTY_BOUNDARY, dtype=_BOUNDARY_DTYPE)
             self._checksum = torch.zeros((n,), dtype=_CHECKSUM_DTYPE)
+            self._sequence = torch.zeros((n,), dtype=_SEQUENCE_DTYPE)
             self._memory = _Level(None, 0, 0, [], [], 0)
             self._disk = _Level(None, 0, 0, [], [], 0)
             return
         nbytes = _memory_file_bytes(n, layout.spec, layout.memory_records)
         buffer = _map(layout.memory_path, nbytes)
-        boundary_offset, checksum_offset, header_end = _header_offsets(n)
+        boundary_offset, checksum_offset, sequence_offset, header_end = _header_offsets(n)
         self._boundary = buffer[boundary_offset : boundary_offset + n * _element_size(_BOUNDARY_DTYPE)].view(
             _BOUNDARY_DTYPE
         )
         self._checksum = buffer[checksum_offset : checksum_offset + n * _element_size(_CHECKSUM_DTYPE)].view(
             _CHECKSUM_DTYPE
+        )
+        self._sequence = buffer[sequence_offset : sequence_offset + n * _element_size(_SEQUENCE_DTYPE)].view(
+            _SEQUENCE_DTYPE
         )
         offsets = _tensor_offsets(layout.spec, layout.memory_records, header_end)[0]
         self._memory = _Level(
@@ -287,7 +296,7 @@ class ActivationStore:
         """
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples}: the cache needs a dataset with at least one sample")
-        header = _header_offsets(num_samples)[2]
+        header = _header_offsets(num_samples)[3]
         if memory_bytes < header:
             raise ValueError(
                 f"cache memory_bytes={memory_bytes} cannot hold the index of {num_samples} samples; "
@@ -358,6 +367,8 @@ class ActivationStore:
         self._memory = _Level(None, 0, 0, [], [], 0)
         self._disk = _Level(None, self._layout.memory_records, 0, [], [], 0)
         self._boundary = torch.full((self._layout.num_samples,), EMPTY_BOUNDARY, dtype=_BOUNDARY_DTYPE)
+        self._checksum = torch.zeros((self._layout.num_samples,), dtype=_CHECKSUM_DTYPE)
+        self._sequence = torch.zeros((self._layout.num_samples,), dtype=_SEQUENCE_DTYPE)
 
     def __enter__(self) -> ActivationStore:
         return self
@@ -399,6 +410,7 @@ class ActivationStore:
         """Gather the records of ``indices``, cut to the first ``trim_to`` positions (text)."""
         idx = self._check_indices(indices)
         spec = self._layout.spec
+        sequence = self._sequence[idx]
         before = self._boundary[idx]
         tensors: list[torch.Tensor] = []
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
@@ -415,7 +427,8 @@ class ActivationStore:
                     if self._record_checksum(level, slot) != int(self._checksum[idx[row]]):
                         intact[row] = False
         after = self._boundary[idx]
-        served = (before != EMPTY_BOUNDARY) & (before == after) & intact
+        stable = (sequence % 2 == 0) & (self._sequence[idx] == sequence)
+        served = (before != EMPTY_BOUNDARY) & (before == after) & stable & intact
         corrupt = (~intact).nonzero().reshape(-1)
         if corrupt.numel():
             self._corrupt += corrupt.numel()
@@ -444,6 +457,7 @@ class ActivationStore:
         for _, rows, _ in levels:
             stored[rows] = True
         homed = idx[stored]
+        self._sequence[homed] += 1  # odd: being written
         self._boundary[homed] = EMPTY_BOUNDARY
         for level, rows, slots in levels:
             for value, region in zip(activation, level.tensors, strict=True):
@@ -454,6 +468,7 @@ class ActivationStore:
                 for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
                     self._checksum[idx[row]] = self._record_checksum(level, slot)
         self._boundary[homed] = boundary
+        self._sequence[homed] += 1  # even: stable
         self._writes += homed.numel()
         self._uncacheable_writes += idx.numel() - homed.numel()
         return stored
