@@ -310,3 +310,16 @@ def test_a_record_rewritten_at_the_same_boundary_during_a_read_is_a_miss_not_tor
         assert again.served.all() and torch.equal(again.activation[0], new[0])
         writer.close()
 
+
+def test_bfloat16_records_spill_to_disk_and_read_back_bit_exact(tmp_path: Path) -> None:
+    """The disk level's checksum covers a record's raw bytes, whatever its dtype (numpy has no bfloat16)."""
+    activation = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in _text_batch(3, MAX_LEN, seed=22))
+    spec = spec_from_activation(activation)
+    with ActivationStore.create(NUM_SAMPLES, spec, _memory_bytes_for(0), tmp_path) as store:
+        store.unlink_names()
+        indices = torch.tensor([2, 5, 9])
+        store.write(indices, activation, boundary=1)
+        read = store.read(indices)
+        assert read.served.all() and store.stats().disk_used_bytes > 0
+        assert all(torch.equal(got, want) for got, want in zip(read.activation, activation, strict=True))
+

@@ -397,9 +397,10 @@ class ActivationStore:
         return found
 
     def _record_checksum(self, level: _Level, slot: int) -> int:
+        """CRC32 of the record's raw bytes, whatever its dtypes (numpy knows no bfloat16)."""
         checksum = 0
         for region in level.tensors:
-            checksum = zlib.crc32(region[slot].numpy(), checksum)
+            checksum = zlib.crc32(region[slot].reshape(-1).view(torch.uint8).numpy(), checksum)
         return checksum
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
