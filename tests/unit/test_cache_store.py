@@ -323,3 +323,28 @@ def test_bfloat16_records_spill_to_disk_and_read_back_bit_exact(tmp_path: Path) 
         assert read.served.all() and store.stats().disk_used_bytes > 0
         assert all(torch.equal(got, want) for got, want in zip(read.activation, activation, strict=True))
 
+
+LEADER_KILLED_BEFORE_UNLINK = """
+import os, signal, sys, torch
+from pipetransformer.cache.store import ActivationStore
+from pipetransformer.models.blocks import ActivationSpec
+spec = ActivationSpec(shapes=((8, 4), (8,)), dtypes=(torch.float32, torch.int64))
+store = ActivationStore.create(10, spec, 600, disk_dir=sys.argv[2], shm_dir=sys.argv[1])  # most on disk
+print(store.layout.memory_path, store.layout.disk_path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # after create, before unlink_names
+"""
+
+
+def test_regions_of_a_leader_killed_before_unlinking_are_removed_by_the_next_run(tmp_path: Path) -> None:
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, _memory_bytes_for(1), disk, shm_dir=shm) as alive:
+        killed = subprocess.run([sys.executable, "-c", LEADER_KILLED_BEFORE_UNLINK, str(shm), str(disk)],
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        stale = killed.stdout.split()
+        assert len(stale) == 2 and all(os.path.exists(p) for p in stale)
+        with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, _memory_bytes_for(1), disk, shm_dir=shm) as later:
+            assert not any(os.path.exists(p) for p in stale), "the dead leader's regions are still there"
+            live = [alive.layout.memory_path, alive.layout.disk_path, later.layout.memory_path, later.layout.disk_path]
+            assert all(p is not None and os.path.exists(p) for p in live), "a live process's region was removed"

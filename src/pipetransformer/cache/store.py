@@ -20,6 +20,10 @@ Concurrency: data-parallel workers write disjoint sample indices. Each record ha
 makes it even again; a read serves a record only if its sequence number was even and unchanged across
 the copy (and its boundary set), so a record being rewritten is a miss, never torn data, even when the
 rewrite is at the same boundary.
+
+Files are named ``<FILE_PREFIX><pid>-<start time>-<random>``: a leader killed between creating them and
+unlinking their names leaves them behind, and the next leader on the node removes those whose creator
+is gone (:func:`remove_stale_files`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "StoreLayout",
     "StoreRead",
     "StoreStats",
+    "remove_stale_files",
     "spec_from_activation",
 ]
 
@@ -69,6 +74,10 @@ _DISK_SUFFIX = ".disk"
 _BOUNDARY_DTYPE = torch.int32
 _CHECKSUM_DTYPE = torch.int64
 _SEQUENCE_DTYPE = torch.int64
+_PROC = Path("/proc")
+_START_TIME_FIELD = 22
+"""A process's start time (clock ticks since boot) is field 22 of ``/proc/<pid>/stat`` (man 5 proc)."""
+_FIELDS_UP_TO_COMMAND = 2  # pid and (command name), which may hold spaces
 
 
 def spec_from_activation(example: Activation, pad_to: int | None = None) -> ActivationSpec:
@@ -167,6 +176,50 @@ def _header_offsets(num_samples: int) -> tuple[int, int, int, int]:
 
 def _memory_file_bytes(num_samples: int, spec: ActivationSpec, records: int) -> int:
     return _tensor_offsets(spec, records, _header_offsets(num_samples)[3])[1]
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if there is no such process."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[_START_TIME_FIELD - _FIELDS_UP_TO_COMMAND - 1]
+
+
+def _file_name_prefix() -> str:
+    """This process's files: its pid and start time, so a later run can tell whether their creator still runs."""
+    pid = os.getpid()
+    return f"{FILE_PREFIX}{pid}-{_start_time(pid)}-"
+
+
+def remove_stale_files(directory: str | Path) -> list[str]:
+    """Remove this user's store files in ``directory`` whose creator is no longer running (a leader killed
+    before it unlinked them); returns their paths. A pid now used by another process does not keep them:
+    the creator's start time must match too."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(FILE_PREFIX):
+            continue
+        pid, _, rest = entry.name.removeprefix(FILE_PREFIX).partition("-")
+        started = rest.partition("-")[0]
+        try:
+            if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if _start_time(int(pid)) == started:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.path)
+    if removed:
+        logger.warning("AutoCache: removed %d files of cache stores whose process died: %s", len(removed),
+                       ", ".join(removed))
+    return removed
 
 
 def _create_file(path: str, nbytes: int) -> None:
@@ -302,7 +355,10 @@ class ActivationStore:
                 f"cache memory_bytes={memory_bytes} cannot hold the index of {num_samples} samples; "
                 f"set it to at least {header}"
             )
-        name = FILE_PREFIX + secrets.token_hex(_NAME_TOKEN_BYTES)
+        for directory in (shm_dir, disk_dir):
+            if directory is not None:
+                remove_stale_files(directory)
+        name = _file_name_prefix() + secrets.token_hex(_NAME_TOKEN_BYTES)
         budget = min(memory_bytes, int(shutil.disk_usage(shm_dir).free * _SHM_FREE_FRACTION))
         memory_records = max(0, min(num_samples, (budget - header) // max(1, spec.bytes_per_sample)))
         while memory_records > 0 and _memory_file_bytes(num_samples, spec, memory_records) > budget:
