@@ -134,7 +134,7 @@ class CacheConfig:
     enabled: bool = False  # AutoCache: frozen prefix output per sample, computed once
     min_frozen: int = 1  # frozen layers needed before the cache starts
     memory_gb: float = 2.0  # shared-memory level budget; the rest spills to dir
-    dir: str | None = None  # disk level; default <run dir>/cache
+    dir: str | None = None  # disk level, per node; default node-local temporary storage (TMPDIR, else /tmp)
 
 
 @dataclass

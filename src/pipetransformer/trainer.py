@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -314,7 +315,7 @@ class Trainer:
             activation = self.model.forward_range(example, 0, plan.cached_blocks)
         pad = self.config.data.max_length if self.train_set.task == "text" else None
         spec = spec_from_activation(activation, pad_to=pad)
-        disk_dir = self.config.cache.dir or str(self.run_dir / "cache")
+        disk_dir = self.config.cache.dir or tempfile.gettempdir()  # node-local: run_dir is shared across nodes
         memory_bytes = int(self.config.cache.memory_gb * 1e9)
         if self.env.is_local_leader:  # keys: training samples, then evaluation samples
             store = ActivationStore.create(len(self.train_set) + len(self.eval_set), spec, memory_bytes,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,22 @@ def test_a_resumed_optimizer_keeps_its_state_on_the_device(tmp_path: Path) -> No
     assert resumed.progress.step == 8 and resumed.optimizer is not None
     for param, state in resumed.optimizer.state.items():
         assert all(value.device == param.device for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def test_the_cache_disk_level_defaults_to_node_local_temporary_storage(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run directory is shared storage on several nodes; the disk level is per node, so it goes to TMPDIR."""
+    node_local = tmp_path / "node-local-tmp"
+    node_local.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_local))  # what TMPDIR sets
+    run_dir = tmp_path / "run"
+    trainer = Trainer(load_config(ROOT / "configs" / "tiny_text.yaml", [
+        f"run.dir={run_dir}", "train.max_steps=2", "freeze.enabled=true", "freeze.policy=schedule",
+        "freeze.interval_unit=steps", "freeze.schedule=[[1,2]]", "cache.enabled=true", "cache.memory_gb=1e-5"]))
+    try:
+        trainer.fit()
+        assert trainer.store is not None and trainer.store.layout.disk_records > 0
+        assert Path(str(trainer.store.layout.disk_path)).parent == node_local
+    finally:
+        trainer.close()
+    assert not (run_dir / "cache").exists()
