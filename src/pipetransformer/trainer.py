@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .cache.prefix import FrozenPrefixCache
 from .cache.store import ActivationStore, StoreLayout, spec_from_activation
 from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, CheckpointError, check_compatible,
-                         latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint)
+                         latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint, write_tensors)
 from .config import Config, ConfigError, config_to_dict
 from .data import load_datasets
 from .data.batch import Batch, IndexedDataset
@@ -724,11 +724,16 @@ class Trainer:
         return weights, optimizer
 
     def save_model(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        """Every block's weights and all optimizer state, written as checkpoint files are (all ranks must call)."""
         weights, optimizer = self.gather_state()
+        error = ""
         if self.env.is_main:
-            save_file(weights, str(directory / "model.safetensors"))
-            save_file(optimizer, str(directory / "optimizer.safetensors"))
+            try:
+                write_tensors(directory / "model.safetensors", weights, "model")
+                write_tensors(directory / "optimizer.safetensors", optimizer, "optimizer")
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
 
     def _log_step(self, loss: float, samples: int, step_s: float, timer: StepTimer, bar: Any) -> None:
         layout = self.held.plan.layout

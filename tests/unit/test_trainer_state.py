@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import pipetransformer.trainer as trainer_module
@@ -83,3 +86,16 @@ def test_the_cache_disk_level_defaults_to_node_local_temporary_storage(tmp_path:
     finally:
         trainer.close()
     assert not (run_dir / "cache").exists()
+
+
+def test_the_saved_model_is_written_owner_only_and_atomically(tmp_path: Path) -> None:
+    """run.save_model goes through the checkpoint writer: 0600 whatever the umask, no temporary file left."""
+    previous = os.umask(0o022)
+    try:
+        _fit(tmp_path, "train.max_steps=1", "run.save_model=true", "checkpoint.enabled=false")
+    finally:
+        os.umask(previous)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    assert load_file(str(tmp_path / "model.safetensors")), "an empty model file"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left"
