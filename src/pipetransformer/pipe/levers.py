@@ -29,6 +29,7 @@ from pipetransformer.pipe.partition import (
     partition,
     predict_step_time,
 )
+from pipetransformer.pipe.planner import block_states
 from pipetransformer.pipe.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
     "Candidate",
     "LeverChoice",
     "LeverSettings",
-    "block_states",
     "choose_levers",
     "recompute_set",
 ]
@@ -45,12 +45,6 @@ GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 """The trainer's gradient bucket (``pipetransformer.dp.sync.DEFAULT_BUCKET_BYTES``, DDP's default)."""
 
 INTER_NODE = "inter-node network"
-
-
-def block_states(num_blocks: int, frozen_blocks: int, cached_blocks: int) -> list[BlockState]:
-    """Cached prefix, then frozen blocks, then trainable ones."""
-    return [BlockState.CACHED if i < cached_blocks else BlockState.FROZEN if i < frozen_blocks else BlockState.ACTIVE
-            for i in range(num_blocks)]
 
 
 @dataclass(frozen=True)
