@@ -51,7 +51,9 @@ INTER_NODE = "inter-node network"
 class LeverSettings:
     """What the planner may choose and under which constraints.
 
-    ``micro_batches``: a fixed count, or None to choose it. ``stage_counts``: None for every divisor of
+    ``micro_batches``: a fixed count for pipelines (one stage runs its batch whole, as the trainer does),
+    a count per stage count (the stage counts it lacks are chosen), or None to choose it.
+    ``stage_counts``: None for every divisor of
     the world size. ``overlap_pipelined_allreduce``: whether gradient buckets of a multi-stage pipeline
     start during the last backward (DDP's hooks around a whole pipeline do; this project's trainer
     overlaps only without a pipeline, see ``pipetransformer.dp.sync``).
@@ -59,7 +61,7 @@ class LeverSettings:
 
     memory_budget_bytes: float
     schedule: str = "gpipe"
-    micro_batches: int | None = None
+    micro_batches: int | Mapping[int, int] | None = None
     precisions: tuple[Precision, ...] = (Precision.FP32,)
     recompute: bool = False
     stage_counts: tuple[int, ...] | None = None
@@ -144,8 +146,11 @@ def _eligible_for_recompute(costs: Sequence[BlockCost], states: Sequence[BlockSt
 
 
 def _micro_batch_candidates(stages: int, batch: int, settings: LeverSettings) -> list[int]:
-    if settings.micro_batches is not None:
-        return [settings.micro_batches]
+    fixed = settings.micro_batches
+    if isinstance(fixed, Mapping) and stages in fixed:
+        return [fixed[stages]]
+    if isinstance(fixed, int) and stages > 1:
+        return [fixed]
     if stages == 1:
         return [1]
     divisors = [m for m in range(1, min(batch, settings.max_micro_batch_factor * stages) + 1) if batch % m == 0]

@@ -2,8 +2,8 @@
 
 A freeze timeline (how many leading layers are frozen from which point of training on) cuts the run
 into phases; each phase gets its own lever choice (:func:`~pipetransformer.pipe.levers.choose_levers`).
-With the cache on, the first epoch after a freeze still runs the newly frozen layers forward once per
-sample (the cache advances its entries through them) and only then serves the whole frozen prefix.
+With the cache on, the epoch after a freeze still runs the newly frozen layers forward once per sample
+(the cache advances each entry through them at its next visit) and only then serves the whole prefix.
 The static baseline (Pipe + DDP, nothing frozen, nothing cached) runs one layout throughout; the
 speed-up is the baseline's time over the sum of the phases' times for the same samples.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +118,8 @@ class BatchPolicy:
 
 @dataclass(frozen=True)
 class Phase:
-    """A stretch of the run with one freeze state and one layout; ``filling``: the cache's first epoch
-    after a freeze, when the newly frozen layers still run forward."""
+    """A stretch of the run with one freeze state and one layout; ``cached_blocks`` are those the cache
+    serves, ``filling`` says some frozen ones still run forward (the epoch after a freeze)."""
 
     start: float
     end: float
@@ -169,7 +169,7 @@ class RunPlan:
                 "average_samples_per_s": 1.0 / self.relative_time}
 
 
-def _segments(timeline: Sequence[FreezePoint], num_layers: int) -> list[tuple[float, float, int]]:
+def _validated(timeline: Sequence[FreezePoint], num_layers: int) -> list[FreezePoint]:
     points = sorted(timeline, key=lambda p: p.at)
     if not points or points[0].at > _EPSILON:
         points = [FreezePoint(0.0, 0), *points]
@@ -178,8 +178,12 @@ def _segments(timeline: Sequence[FreezePoint], num_layers: int) -> list[tuple[fl
             raise TimelineError(f"freeze point {point}: 'at' must be in [0, 1] and frozen_layers in 0..{num_layers}")
     if any(b.frozen_layers < a.frozen_layers for a, b in zip(points, points[1:], strict=False)):
         raise TimelineError("frozen layers never thaw: the freeze timeline must not decrease")
-    ends = [p.at for p in points[1:]] + [1.0]
-    return [(p.at, end, p.frozen_layers) for p, end in zip(points, ends, strict=True) if end - p.at > _EPSILON]
+    return points
+
+
+def _frozen_layers_at(points: Sequence[FreezePoint], at: float) -> int:
+    """Frozen layers at ``at``; none before the run starts."""
+    return max((p.frozen_layers for p in points if p.at <= at + _EPSILON), default=0) if at >= -_EPSILON else 0
 
 
 def plan_run(
@@ -194,28 +198,48 @@ def plan_run(
     baseline_settings: LeverSettings,
     cache: bool = True,
     cache_min_frozen: int = 1,
+    advance_cache: bool = True,
+    unfrozen_settings: LeverSettings | None = None,
 ) -> RunPlan:
-    """Every phase's layout and predicted samples/s, and the static baseline's."""
+    """Every phase's layout and predicted samples/s, and the static baseline's.
+
+    A sample's cache entry is as old as its last visit, one epoch earlier: at ``t`` the cache serves the
+    prefix frozen at ``t - 1 epoch`` and the layers frozen since run forward (the trainer advances the
+    entry through them). So phases break at every freeze and one epoch after it.
+    ``advance_cache=False``: an entry older than the latest freeze is rebuilt through the whole frozen
+    prefix instead. ``unfrozen_settings``: the levers while nothing is frozen (default ``settings``),
+    e.g. to start from the baseline's layout.
+    """
+    if epochs <= 0:
+        raise TimelineError(f"epochs must be > 0, got {epochs}")
+    points = _validated(timeline, num_layers)
+    epoch = 1.0 / epochs
+    breaks = sorted({0.0, 1.0, *(p.at for p in points), *(p.at + epoch for p in points if p.at + epoch < 1.0)})
     initial: list[int] = []
+
+    def cached_blocks_at(at: float) -> int:
+        layers = _frozen_layers_at(points, at)
+        return len(frozen_blocks(range(layers), num_layers)) if cache and layers >= cache_min_frozen else 0
 
     def choose(frozen: int, cached: int, lever_settings: LeverSettings) -> LeverChoice:
         return choose_levers(costs, cluster, frozen_blocks=frozen, cached_blocks=cached, settings=lever_settings,
                              replica_batch=lambda r: batch.replica_batch(r, initial[0] if initial else None))
 
     phases: list[Phase] = []
-    cached_before = 0
-    for start, end, layers in _segments(timeline, num_layers):
+    for start, end in zip(breaks, breaks[1:], strict=False):
+        if end - start <= _EPSILON:
+            continue
+        layers = _frozen_layers_at(points, start)
         frozen = len(frozen_blocks(range(layers), num_layers))
-        cached = frozen if cache and layers >= cache_min_frozen else 0
-        fill_end = min(end, start + 1.0 / epochs) if cached > cached_before else start
-        if fill_end > start:
-            choice = choose(frozen, cached_before, settings)
-            phases.append(Phase(start, fill_end, layers, frozen, cached_before, True, choice))
-        if end > fill_end + _EPSILON:
-            phases.append(Phase(fill_end, end, layers, frozen, cached, False, choose(frozen, cached, settings)))
+        now, visited = cached_blocks_at(start), cached_blocks_at(start - epoch)
+        served = visited if advance_cache or visited == now else 0
+        if phases and (phases[-1].frozen_layers, phases[-1].cached_blocks) == (layers, served):
+            phases[-1] = replace(phases[-1], end=end)
+            continue
+        phase_settings = settings if layers or unfrozen_settings is None else unfrozen_settings
+        phases.append(Phase(start, end, layers, frozen, served, served < now, choose(frozen, served, phase_settings)))
         if not initial:
             initial.append(phases[0].choice.chosen.replicas)
-        cached_before = cached
     baseline = choose_levers(costs, cluster, frozen_blocks=0, cached_blocks=0, settings=baseline_settings,
                              replica_batch=lambda r: batch.replica_batch(r, None))
     return RunPlan(phases, baseline)
