@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("config", nargs="?", default=None,
                       help="YAML config (optional with --cluster and --model: defaults, all automations on)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--nproc-per-node", type=int, default=1, help="workers to plan for (this machine)")
+    plan.add_argument("--nproc-per-node", type=int, default=1,
+                      help="workers to plan for on this machine (also --cluster local; a preset has its own)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--cluster", default=None, metavar="PRESET|FILE",
                       help="predict a run on paper (2x8 RTX 5000), a100x8, h100x8, local (profiled here), "
@@ -211,6 +212,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.cluster is None:
         _check_before_launch(config, args.nproc_per_node)
         return plan_command(config, args.nproc_per_node, as_json=args.json)
+    if args.cluster == "local":
+        _check_before_launch(config, args.nproc_per_node)
     request = ClusterPlanRequest(
         cluster=args.cluster, model=args.model, seq_len=args.seq_len, freeze=args.freeze, epochs=args.epochs,
         freeze_every=args.freeze_every, levers=tuple(name.strip() for name in args.levers.split(",") if name.strip()),

@@ -164,9 +164,9 @@ def _spec_from_config(config: Config) -> ModelSpec:
               "num_channels": vit["in_channels"], "hidden_size": vit["dim"], "num_hidden_layers": vit["depth"],
               "num_attention_heads": vit["heads"], "intermediate_size": math.ceil(vit["mlp_ratio"] * vit["dim"])}
         return model_from_hf_config(hf, name="vit (config)")
-    if model.path:
-        return load_model_spec(model.path, seq_len=config.data.max_length)
-    return model_from_hf_config(model.hf_config or {}, name="model.hf_config", seq_len=config.data.max_length)
+    spec = (load_model_spec(model.path) if model.path
+            else model_from_hf_config(model.hf_config or {}, name="model.hf_config"))
+    return spec.with_seq_len(config.data.max_length) if spec.is_text else spec
 
 
 def _levers(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -193,21 +193,19 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
                      world_size: int) -> tuple[RunPlan, Cluster, ModelSpec | None, LeverSettings]:
     """The predicted run of ``config`` (or of ``request.model``) on ``request.cluster``."""
     levers = _levers(request.levers)
-    spec = None
+    spec = load_model_spec(request.model, seq_len=request.seq_len) if request.model is not None else None
+    costs: dict[Precision, list[BlockCost] | None]
     if request.cluster == LOCAL:
         measured, work, _ = _profiled(config)
         cluster = local_cluster(world_size, memory_gb=config.pipe.device_memory_gb,
                                 link_bandwidth_gb_s=config.pipe.link_bandwidth_gbps,
                                 flops_per_second=calibrated_flops(work, measured),
                                 micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
-        if request.model is not None:
-            spec = load_model_spec(request.model, seq_len=request.seq_len)
-        costs: dict[Precision, list[BlockCost] | None] = {Precision.FP32: measured, Precision.BF16: None}
+        costs = {Precision.FP32: measured, Precision.BF16: None}
     else:
         cluster = load_cluster(request.cluster)
-        spec = (load_model_spec(request.model, seq_len=request.seq_len) if request.model is not None
-                else _spec_from_config(config))
-    if spec is not None:
+        spec = spec or _spec_from_config(config)
+    if spec is not None:  # analytic costs at the cluster's (for local: the calibrated) speed
         costs = {precision: spec.costs(cluster.device, precision) for precision in Precision}
     fp32 = costs[Precision.FP32]
     assert fp32 is not None

@@ -4,7 +4,6 @@ memory savers (bf16, recomputation) in the cost model."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest

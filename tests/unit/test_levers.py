@@ -157,15 +157,24 @@ def test_freezing_phases_fill_the_cache_for_an_epoch() -> None:
         run([FreezePoint(0.0, 2), FreezePoint(0.5, 1)])
 
 
+def test_a_baseline_that_fits_nowhere_is_named() -> None:
+    with pytest.raises(PartitionError, match=r"static baseline \(fp32, no recomputation\) fits nowhere") as error:
+        plan_run({Precision.FP32: COSTS}, two_devices(), num_layers=LAYERS, timeline=[FreezePoint(0.0, 0)], epochs=1,
+                 batch=BatchPolicy(0, per_pipeline=REPLICA_BATCH),
+                 settings=LeverSettings(memory_budget_bytes=BUDGET, recompute=True),
+                 baseline_settings=LeverSettings(memory_budget_bytes=BUDGET, stage_counts=(1,)))
+    assert "\n" not in str(error.value) and "allow recomputation" not in str(error.value)
+
+
 def test_decisions_within_an_epoch_meet_entries_from_before_the_last_one() -> None:
     """A sample's entry is from its visit one epoch ago: with decisions every half epoch it lags two freezes."""
     timeline = [FreezePoint(0.0, 0), FreezePoint(0.25, 2), FreezePoint(0.5, 3)]
 
-    def spans(**options: object) -> list[tuple[float, float, int, int, bool]]:
+    def spans(advance_cache: bool = True) -> list[tuple[float, float, int, int, bool]]:
         plan = plan_run({Precision.FP32: COSTS}, two_devices(), num_layers=LAYERS, timeline=timeline, epochs=2,
                         batch=BatchPolicy(0, per_pipeline=REPLICA_BATCH),
                         settings=LeverSettings(memory_budget_bytes=BUDGET, recompute=True),
-                        baseline_settings=LeverSettings(memory_budget_bytes=BUDGET), **options)  # type: ignore[arg-type]
+                        baseline_settings=LeverSettings(memory_budget_bytes=BUDGET), advance_cache=advance_cache)
         return [(p.start, p.end, p.frozen_layers, p.cached_blocks, p.filling) for p in plan.phases]
 
     assert spans() == [(0.0, 0.25, 0, 0, False), (0.25, 0.5, 2, 0, True), (0.5, 0.75, 3, 0, True),

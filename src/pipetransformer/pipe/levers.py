@@ -37,6 +37,7 @@ __all__ = [
     "Candidate",
     "LeverChoice",
     "LeverSettings",
+    "NoLayoutError",
     "choose_levers",
     "recompute_set",
 ]
@@ -45,6 +46,22 @@ GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 """The trainer's gradient bucket (``pipetransformer.dp.sync.DEFAULT_BUCKET_BYTES``, DDP's default)."""
 
 INTER_NODE = "inter-node network"
+
+
+MIB = 1024**2
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB, so small budgets do not print as 0.00."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
+
+
+class NoLayoutError(PartitionError):
+    """No combination of the allowed levers fits; ``reasons`` lists each candidate's."""
+
+    def __init__(self, message: str, reasons: str) -> None:
+        super().__init__(message)
+        self.reasons = reasons
 
 
 @dataclass(frozen=True)
@@ -212,7 +229,7 @@ class _NoFit(Exception):
     def reason(self) -> str:
         saver = f" even recomputing all {self.recomputing} eligible blocks" if self.recomputing else ""
         needed = self.error.needed_bytes
-        return f"does not fit{saver}" + ("" if needed is None else f": needs {needed / GIB:.2f} GiB per device")
+        return f"does not fit{saver}" + ("" if needed is None else f": needs {_size(needed)} per device")
 
 
 def _simulate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Cluster, settings: LeverSettings,
@@ -260,7 +277,7 @@ def _candidate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Cl
     simulation = _simulate(costs, states, cluster, settings, stages, replicas, batch, micro_batches, blocks, part)
     candidate = Candidate(stages, replicas, precision, blocks, micro_batches, batch, part, simulation)
     if candidate.peak_memory_bytes > settings.memory_budget_bytes:
-        return replace(candidate, reason=f"holds {candidate.peak_memory_bytes / GIB:.2f} GiB on its fullest device "
+        return replace(candidate, reason=f"holds {_size(candidate.peak_memory_bytes)} on its fullest device "
                                          "in the simulated schedule, over the budget")
     return candidate
 
@@ -278,8 +295,8 @@ def choose_levers(
 
     ``costs`` gives per-sample block costs in each precision (None: the device lacks it);
     ``replica_batch(replicas)`` each replica's batch for that many replicas (``dp.batch_policy``).
-    Ties go to fewer recomputed blocks, then fp32, then fewer stages. Raises :class:`PartitionError`
-    when nothing fits.
+    Ties go to fewer recomputed blocks, then fp32, then fewer stages. Raises :class:`NoLayoutError` (a
+    :class:`PartitionError`) when nothing fits.
     """
     fp32 = costs.get(Precision.FP32)
     if fp32 is None:
@@ -300,9 +317,10 @@ def choose_levers(
     fitting = [c for c in candidates if not c.reason]
     if not fitting:
         reasons = "; ".join(f"{c.label()}: {c.reason}" for c in candidates) or "no stage count divides the world"
-        raise PartitionError(f"nothing fits {settings.memory_budget_bytes / GIB:.2f} GiB per device with "
-                             f"{frozen_blocks} frozen blocks: {reasons}; raise the memory budget, allow "
-                             "recomputation or bf16, or use more devices")
+        remedies = ["raise the memory budget", *([] if settings.recompute else ["allow recomputation"]),
+                    *([] if Precision.BF16 in settings.precisions else ["allow bf16"]), "use more devices"]
+        raise NoLayoutError(f"nothing fits {_size(settings.memory_budget_bytes)} per device with {frozen_blocks} "
+                            f"frozen blocks: {reasons}; {', '.join(remedies[:-1])} or {remedies[-1]}", reasons)
     chosen = max(fitting, key=lambda c: (c.samples_per_s, -len(c.recomputed), c.precision is Precision.FP32,
                                          -c.stages))
     rejected = []

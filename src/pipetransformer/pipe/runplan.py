@@ -19,7 +19,7 @@ from typing import Any
 from pipetransformer.freeze.policies import GeometricPolicy, frozen_blocks, frozen_prefix_layers
 from pipetransformer.pipe.cluster import Cluster
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.levers import LeverChoice, LeverSettings, choose_levers
+from pipetransformer.pipe.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
 
 __all__ = [
     "BatchPolicy",
@@ -75,6 +75,9 @@ def timeline_from_summary(summary: Mapping[str, Any], source: str = SUMMARY_FILE
         raise TimelineError(f"{source}: no 'steps' and 'freeze_decisions': pass the summary.json of a finished run")
     points = [FreezePoint(0.0, 0)]
     for decision in decisions:
+        if not isinstance(decision, dict) or not isinstance(decision.get("step"), int):
+            raise TimelineError(f"{source}: a freeze decision without a step ({decision!r}): pass the summary.json "
+                                "of a finished run")
         frozen = frozen_prefix_layers(decision.get("frozen", []))
         if frozen > points[-1].frozen_layers:
             points.append(FreezePoint(min(1.0, decision["step"] / steps), frozen))
@@ -240,6 +243,11 @@ def plan_run(
         phases.append(Phase(start, end, layers, frozen, served, served < now, choose(frozen, served, phase_settings)))
         if not initial:
             initial.append(phases[0].choice.chosen.replicas)
-    baseline = choose_levers(costs, cluster, frozen_blocks=0, cached_blocks=0, settings=baseline_settings,
-                             replica_batch=lambda r: batch.replica_batch(r, None))
+    try:
+        baseline = choose_levers(costs, cluster, frozen_blocks=0, cached_blocks=0, settings=baseline_settings,
+                                 replica_batch=lambda r: batch.replica_batch(r, None))
+    except NoLayoutError as error:
+        raise NoLayoutError(f"the static baseline (fp32, no recomputation) fits nowhere, so there is nothing to "
+                            f"compare with: {error.reasons}; raise the memory budget or use more devices",
+                            error.reasons) from None
     return RunPlan(phases, baseline)

@@ -16,9 +16,9 @@ The bubble fraction and the activations each stage holds are read off the timeli
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
@@ -42,7 +42,6 @@ __all__ = [
     "stage_works",
 ]
 
-Schedule = Literal["gpipe", "1f1b"]
 SCHEDULES = ("gpipe", "1f1b")
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -206,7 +205,7 @@ def simulate_step(
     arrivals: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> input ready
     events: list[Event] = []
     if stages[0].cache_in_bytes:
-        channel = _Channel(cache_link or Link(float("inf")))
+        channel = _Channel(cache_link or Link(math.inf))
         for m in range(num_micro_batches):
             start, end = channel.send(0.0, stages[0].cache_in_bytes)
             events.append(Event(CACHE_READ, 0, m, start, end, "host->stage 0"))
@@ -324,8 +323,8 @@ def stage_works(
                 size = 0
         trainable_params = sum(costs[i].param_bytes for i in blocks if states[i] is active) // FLOAT_BYTES
         optimizer_bytes = trainable_params * FLOAT_BYTES * (OPTIMIZER_PASSES_BASE + 2 * optimizer_state_factor)
-        weights = sum(block_memory(costs[i], states[i], micro_batch_size=0, optimizer_state_factor=optimizer_state_factor)
-                      for i in blocks)
+        weights = sum(block_memory(costs[i], states[i], micro_batch_size=0,
+                                   optimizer_state_factor=optimizer_state_factor) for i in blocks)
         activations = sum(costs[i].activation_bytes for i in blocks if states[i] is active) * micro_batch_size
         rebuilt = max((costs[i].recompute_bytes for i in blocks if states[i] is active), default=0)
         gradient_out = start > 0 and states[start - 1] is active
