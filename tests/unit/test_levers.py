@@ -204,6 +204,17 @@ def test_plan_cluster_json_and_plot(capsys: pytest.CaptureFixture[str], tmp_path
     assert plot.stat().st_size > 0
 
 
+def test_plan_cluster_follows_a_finished_runs_freezes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    summary = {"steps": 100,
+               "freeze_decisions": [{"step": 40, "frozen": [0, 1, 2]}, {"step": 70, "frozen": [0, 1, 2, 3]}]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["plan", "--cluster", "a100x8", "--model", "minilm", "--freeze", str(tmp_path), "--epochs", "10",
+                 "--json"]) == 0
+    phases = json.loads(capsys.readouterr().out)["phases"]
+    assert [(p["start"], p["frozen_layers"]) for p in phases][:3] == [(0.0, 0), (0.4, 3), (0.5, 3)]
+    assert phases[-1]["frozen_layers"] == 4 and phases[-1]["end"] == 1.0
+
+
 def test_plan_cluster_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--cluster", "h100x8", "--model", "bert-large", "--epochs", "3", "--timeline",
                  "--set", "train.batch_size=64"]) == 0
