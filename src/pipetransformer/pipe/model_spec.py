@@ -147,7 +147,8 @@ def _config_int(config: Mapping[str, Any], key: str, source: str, default: int |
 def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf", seq_len: int | None = None,
                          num_outputs: int | None = None) -> ModelSpec:
     """A spec from a Hugging Face config dict: a ViT (``image_size``, ``patch_size``) or a text encoder
-    (``vocab_size``; ``seq_len`` defaults to :data:`DEFAULT_TEXT_SEQ_LEN`, capped by ``max_position_embeddings``)."""
+    (``vocab_size``; ``seq_len`` defaults to :data:`DEFAULT_TEXT_SEQ_LEN` or ``max_position_embeddings`` if
+    fewer, and may not exceed it)."""
     if not isinstance(config, Mapping):
         raise ModelSpecError(f"{name}: expected a JSON object (a Hugging Face config), got {type(config).__name__}")
     hidden = _config_int(config, "hidden_size", name)
@@ -168,7 +169,8 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf", seq_len
                          num_outputs or IMAGENET_CLASSES, is_text=False)
     vocab = _config_int(config, "vocab_size", name)
     positions = config.get("max_position_embeddings")
-    tokens = seq_len or DEFAULT_TEXT_SEQ_LEN
+    limit = positions if isinstance(positions, int) and positions > 0 else DEFAULT_TEXT_SEQ_LEN
+    tokens = seq_len or min(DEFAULT_TEXT_SEQ_LEN, limit)
     if isinstance(positions, int) and tokens > positions:
         raise ModelSpecError(f"{name}: seq_len={tokens} exceeds max_position_embeddings={positions}: use at most that")
     return ModelSpec(name, layers, hidden, heads, intermediate, tokens, vocab, num_outputs or DEFAULT_TEXT_OUTPUTS,
