@@ -1,4 +1,4 @@
-"""Test-suite-wide checks: nothing may be left in /dev/shm by any test."""
+"""Test-suite-wide checks: nothing may be left in /dev/shm by any test; CUDA tests run only where the GPUs are."""
 
 from __future__ import annotations
 
@@ -24,3 +24,15 @@ def no_shared_memory_left_behind() -> Iterator[None]:
     yield
     left = _ours() - before
     assert not left, f"tests left files in /dev/shm: {sorted(left)}"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.cuda(devices=N)``: skipped on machines with fewer CUDA devices (CI has none)."""
+    marker = item.get_closest_marker("cuda")
+    if marker is None:
+        return
+    import torch
+
+    needed = int(marker.kwargs.get("devices", 1))
+    if torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} CUDA device(s), this machine has {torch.cuda.device_count()}")

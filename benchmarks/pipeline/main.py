@@ -159,11 +159,11 @@ def _ours(model: BlockSequence, bounds: list[tuple[int, int]], rank: int, pixels
     start, end = bounds[rank]
     last = rank == WORLD_SIZE - 1
     module = StageModule([copy.deepcopy(model.blocks[i]) for i in range(start, end)], is_last=last)
-    runner = PipelineRunner(module, rank, WORLD_SIZE, torch.device("cpu"), dist.group.WORLD, "gpipe", _loss)
+    runner = PipelineRunner(module, rank, WORLD_SIZE, torch.device("cpu"), dist.group.WORLD, _loss)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
 
     def step() -> None:
-        runner.step((BATCH_SIZE,), MICRO_BATCHES, (pixels,) if rank == 0 else None, labels if last else None)
+        runner.step((BATCH_SIZE,), MICRO_BATCHES, "gpipe", (pixels,) if rank == 0 else None, labels if last else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -3,7 +3,7 @@
 One directory per checkpoint, named after its step::
 
     <dir>/step-000000123/
-        weights.safetensors     every parameter, by name (layout-independent)
+        weights.safetensors     every parameter and persistent buffer, by name (layout-independent)
         optimizer.safetensors   "<param name>.<state key>" -> tensor
         manifest.json           format version, step, size + sha256 of each file, the caller's metadata,
                                 and a sha256 of the manifest itself
@@ -58,6 +58,7 @@ __all__ = [
     "load_checkpoint",
     "model_fingerprint",
     "save_checkpoint",
+    "write_tensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,9 @@ def checkpoint_dir_name(step: int) -> str:
 def model_fingerprint(
     weights_or_shapes: Mapping[str, Any] | Iterable[tuple[str, Any]],
 ) -> str:
-    """sha256 over parameter names, shapes and dtypes (not values): the same architecture resumes, another
-    one is refused. Takes ``{name: tensor}``, ``{name: (shape, dtype)}`` or ``model.named_parameters()``."""
+    """sha256 over tensor names, shapes and dtypes (not values): the same architecture resumes, another one
+    is refused. Takes ``{name: tensor}`` (``model.state_dict()``), ``{name: (shape, dtype)}`` or
+    ``model.named_parameters()``."""
     items = weights_or_shapes.items() if isinstance(weights_or_shapes, Mapping) else weights_or_shapes
     entries = []
     for name, value in items:
@@ -227,6 +229,25 @@ def save_checkpoint(
     seconds = time.perf_counter() - start
     logger.info("saved checkpoint %s: %d bytes in %.3f s", final, written, seconds)
     return SavedCheckpoint(final, step, written, seconds)
+
+
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], what: str) -> int:
+    """``tensors`` as one safetensors file at ``path``, written as checkpoint files are: owner-only, fsynced,
+    then renamed into place, so a reader finds the previous file or the whole new one. Returns its bytes."""
+    path = Path(path)
+    data = _serialize(tensors, what)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {path}: {err.strerror or err}; free space or set run.dir") from err
+    return len(data)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

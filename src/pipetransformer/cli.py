@@ -57,11 +57,35 @@ def _parser() -> argparse.ArgumentParser:
                        help="restarts after a worker failure; each resumes from the newest valid checkpoint")
     train.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
                        help="continue from a checkpoint directory, or the newest valid one in the run (auto)")
-    plan = commands.add_parser("plan", help="print block costs, the partition and the predicted step time")
-    plan.add_argument("config")
+    plan = commands.add_parser("plan", help="print block costs, the partition and the predicted step time; "
+                                            "with --cluster, a whole run predicted on a cluster")
+    plan.add_argument("config", nargs="?", default=None,
+                      help="YAML config (optional with --cluster and --model: defaults, all automations on)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--nproc-per-node", type=int, default=1, help="workers to plan for")
+    plan.add_argument("--nproc-per-node", type=int, default=1,
+                      help="workers to plan for on this machine (also --cluster local; a preset has its own)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--cluster", default=None, metavar="PRESET|FILE",
+                      help="predict a run on paper (2x8 RTX 5000), a100x8, h100x8, local (profiled here), "
+                           "or a YAML/JSON cluster file")
+    plan.add_argument("--model", default=None, metavar="NAME|CONFIG",
+                      help="vit-b16, vit-l16, bert-base, bert-large, minilm, or a Hugging Face config.json "
+                           "(default: the config's model)")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sample of a text --model")
+    plan.add_argument("--freeze", default="geometric", metavar="geometric|RUN",
+                      help="freeze timeline: the geometric schedule (freeze.alpha, freeze.max_fraction) or a "
+                           "finished run's directory or summary.json")
+    plan.add_argument("--epochs", type=float, default=None, help="epochs of the run (default: train.epochs)")
+    plan.add_argument("--freeze-every", type=float, default=None, metavar="EPOCHS",
+                      help="epochs between geometric freeze decisions (default: freeze.interval)")
+    plan.add_argument("--levers", default="stages,recompute,bf16",
+                      help="what may make the model fit: any of stages, recompute, bf16 (comma-separated)")
+    plan.add_argument("--baseline-stages", type=int, default=None,
+                      help="stages of the static Pipe+DDP baseline (default: the fastest that fits)")
+    plan.add_argument("--baseline-micro-batches", type=int, default=None,
+                      help="micro-batches of the baseline (default: pipe.micro_batches)")
+    plan.add_argument("--plot", default=None, metavar="PNG", help="also plot predicted samples/s through the run")
+    plan.add_argument("--timeline", action="store_true", help="also draw each phase's simulated step")
     report = commands.add_parser("report", help="plots and a markdown summary from run directories")
     report.add_argument("run_dirs", nargs="+")
     report.add_argument("--out", default=None, help="output directory (default: the first run directory)")
@@ -176,11 +200,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_DEFAULTS = ["freeze.enabled=true", "pipe.enabled=true", "dp.enabled=true", "cache.enabled=true"]
+"""``plan --cluster --model`` without a config predicts PipeTransformer with all four automations on."""
+
+
 def _plan(args: argparse.Namespace) -> int:
-    from .planning import plan_command
-    config = load_config(args.config, args.overrides)
-    _check_before_launch(config, args.nproc_per_node)
-    return plan_command(config, args.nproc_per_node, as_json=args.json)
+    from .planning import ClusterPlanRequest, cluster_plan_command, plan_command
+    if args.cluster is None or args.cluster == "local" or args.model is None:
+        if args.config is None:
+            raise ConfigError("plan needs a config (or --cluster PRESET|FILE with --model NAME|CONFIG)")
+    config = load_config(args.config, args.overrides if args.config else [*PLAN_DEFAULTS, *args.overrides])
+    if args.cluster is None:
+        _check_before_launch(config, args.nproc_per_node)
+        return plan_command(config, args.nproc_per_node, as_json=args.json)
+    if args.cluster == "local":
+        _check_before_launch(config, args.nproc_per_node)
+    request = ClusterPlanRequest(
+        cluster=args.cluster, model=args.model, seq_len=args.seq_len, freeze=args.freeze, epochs=args.epochs,
+        freeze_every=args.freeze_every, levers=tuple(name.strip() for name in args.levers.split(",") if name.strip()),
+        baseline_stages=args.baseline_stages, baseline_micro_batches=args.baseline_micro_batches, plot=args.plot,
+        timeline=args.timeline)
+    return cluster_plan_command(config, request, args.nproc_per_node, as_json=args.json)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -254,11 +294,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .data.batch import DatasetUnavailableError
     from .freeze.replay import ReplayError
     from .models.blocks import BlockSplitError
+    from .pipe.cluster import ClusterError
     from .pipe.layout import LayoutError
+    from .pipe.model_spec import ModelSpecError
     from .pipe.partition import PartitionError
+    from .pipe.runplan import TimelineError
     from .trainer import TrainingDivergedError
     return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,
-            PartitionError, ReplayError, FileNotFoundError)
+            PartitionError, ReplayError, ClusterError, ModelSpecError, TimelineError, FileNotFoundError)
 
 
 def _report_user_error(error: BaseException) -> None:

@@ -49,7 +49,7 @@ class RunConfig:
     dir: str | None = None  # run directory; default runs/<config name>-<timestamp>
     name: str | None = None  # defaults to the config file's stem
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
-    progress: bool = True  # progress bar on rank 0
+    progress: bool = True  # progress bar on rank 0, in samples
     save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
@@ -84,14 +84,14 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 1  # passes over the training set
-    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs when reached)
+    max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps; the lr schedule still spans epochs
     batch_size: int = 32  # global batch (all replicas together)
     optimizer: Literal["adamw", "sgd"] = "adamw"  # state moves with its parameters at layout changes
     lr: float = 5e-5  # peak learning rate
     weight_decay: float = 0.01  # decoupled (AdamW); frozen parameters leave the optimizer
     momentum: float = 0.9  # sgd only
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
-    warmup_fraction: float = 0.06  # of the total steps
+    warmup_fraction: float = 0.06  # of the schedule, which spans train.epochs in samples
     layer_lr_decay: float = 1.0  # block i of n trains at lr * decay^(n-1-i) (head: full rate); 1 = off
     grad_clip: float | None = 1.0  # global gradient-norm clip; null = off
     eval_every_steps: int | None = None  # null = at every epoch end; N = every N steps (not at epoch ends)
@@ -146,7 +146,7 @@ class CacheConfig:
     enabled: bool = False  # AutoCache: frozen prefix output per sample, computed once
     min_frozen: int = 1  # frozen layers needed before the cache starts
     memory_gb: float = 2.0  # shared-memory level budget; the rest spills to dir
-    dir: str | None = None  # disk level; default <run dir>/cache
+    dir: str | None = None  # disk level, per node; default node-local temporary storage (TMPDIR, else /tmp)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,7 +13,8 @@ import torch.distributed as dist
 
 from .config import DistConfig
 
-__all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "new_groups"]
+__all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
+           "new_groups", "raise_together"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,43 @@ def broadcast_string(value: str, src: int = 0) -> str:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(data, src=src)
     return bytes(data.tolist()).decode()
+
+
+def raise_together(message: str, error: type[Exception]) -> None:
+    """Every rank calls this with its error message ("" if it has none); if any rank has one, every rank raises
+    ``error`` with the lowest such rank's message, else all return.
+
+    A rank that fails alone (a checkpoint it cannot read or write) would leave the others in their next
+    collective: with gloo they die on a lost peer with a traceback, with NCCL they wait for ``dist.timeout_s``.
+    """
+    if not dist.is_initialized():
+        if message:
+            raise error(message)
+        return
+    world = dist.get_world_size()
+    failed = torch.tensor([dist.get_rank() if message else world], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MIN)
+    source = int(failed.item())
+    if source < world:
+        raise error(broadcast_string(message, src=source))
+
+
+def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, src: int = 0) -> dict[str, torch.Tensor]:
+    """``src``'s named CPU tensors on every rank (others pass None): names, shapes and dtypes go first as JSON,
+    so nothing is pickled."""
+    if not dist.is_initialized():
+        return dict(tensors or {})
+    header = ""
+    if dist.get_rank() == src:
+        assert tensors is not None
+        header = json.dumps([[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()])
+    received: dict[str, torch.Tensor] = {}
+    for name, shape, dtype in json.loads(broadcast_string(header, src=src)):
+        tensor = (tensors[name].detach().cpu().contiguous() if tensors is not None and dist.get_rank() == src
+                  else torch.empty(shape, dtype=getattr(torch, dtype)))
+        dist.broadcast(tensor, src=src)
+        received[name] = tensor
+    return received
 
 
 def new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 __all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synchronize", "tensorboard_available",
-           "tensorboard_scalars", "METRICS_FILE", "TENSORBOARD_DIR_NAME", "LAYOUT_FIELDS", "NON_PHASE_SECONDS",
+           "tensorboard_scalars", "truncate_log", "METRICS_FILE", "TENSORBOARD_DIR_NAME", "LAYOUT_FIELDS", "NON_PHASE_SECONDS",
            "CACHE_FIELD_PREFIX"]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,29 @@ class JsonlWriter:
         self._file.close()
 
 
+def truncate_log(path: Path, step: int) -> None:
+    """Cut a JSON-lines log back to what it held when the checkpoint of ``step`` was written, so a run resumed
+    from it logs each later step once: after that step's ``checkpoint`` record if there is one (metrics), else
+    before the first record of a later step (sample logs); a torn last line goes too."""
+    if not path.exists():
+        return
+    offset, keep = 0, None
+    with path.open("rb") as log:
+        for line in log:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                keep = offset if keep is None else keep
+                break
+            if record.get("event") == "checkpoint" and record.get("step") == step:
+                keep = offset + len(line)
+            elif record.get("step", step) > step:
+                keep = offset if keep is None else keep
+                break
+            offset += len(line)
+    os.truncate(path, offset if keep is None else keep)
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Write atomically (temporary name, then rename) so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -126,14 +150,17 @@ class MetricsLog:
     and the package is installed, the same records as TensorBoard scalars in ``<run dir>/tensorboard``.
 
     ``next_step`` is the first step this process will log. TensorBoard drops every event of an earlier
-    process at or after it (its ``purge_step``), so a resumed run's event files hold each step once: the
-    killed run's up to the checkpoint, then this run's. The trainer calls ``flush`` at every checkpoint so
+    process at or after it (its ``purge_step``) and an appended ``metrics.jsonl`` is cut after the checkpoint
+    of the step before it (:func:`truncate_log`), so a resumed run's logs hold each step once: the killed
+    run's up to the checkpoint, then this run's. The trainer calls ``flush`` at every checkpoint so
     that the history up to it is on disk even if the process is then killed (TensorBoard's writer thread
     appends events to a local file as it takes them from its queue; ``flush`` waits for that queue, and for
     file systems that buffer whole files).
     """
 
     def __init__(self, run_dir: Path, *, append: bool, tensorboard: bool, next_step: int) -> None:
+        if append:
+            truncate_log(run_dir / METRICS_FILE, next_step - 1)
         self._jsonl = JsonlWriter(run_dir / METRICS_FILE, append)
         self._events: Any = None
         if tensorboard and tensorboard_available():

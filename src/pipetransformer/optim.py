@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule.
 
-The schedule is a pure function of the global step, so it needs no state of its own to hand over to a
-new replica or to a checkpoint: the step is the state.
+The schedule is a pure function of the position in training (the trainer counts samples, since the global
+batch may grow with the width), so it needs no state of its own to hand over to a new replica or to a
+checkpoint: the sampler's position is the state.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from .config import TrainConfig
 __all__ = ["build_optimizer", "layer_lr_scales", "lr_at", "set_lr"]
 
 
-def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then the chosen decay."""
+def lr_at(step: int, total_steps: int, config: TrainConfig, size: int = 1) -> float:
+    """Learning rate for the optimizer step that covers units ``step .. step + size`` of ``total_steps`` (steps,
+    or samples when batches change size): linear warm-up, then the chosen decay."""
     warmup = int(config.warmup_fraction * total_steps)
     if step < warmup:
-        return config.lr * (step + 1) / warmup
+        return config.lr * min(step + size, warmup) / warmup
     if config.lr_schedule == "constant":
         return config.lr
     span = max(1, total_steps - warmup)

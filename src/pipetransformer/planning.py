@@ -2,31 +2,49 @@
 
 Builds the model, profiles its blocks on this machine (or uses the analytical model when
 ``pipe.profile: false``), and prints the per-block costs, the chosen partition, stage costs, the
-predicted bubble and step time. Also the analytical planner for clusters we cannot run here: set
-``--nproc-per-node`` to the cluster's device count and ``pipe.device_memory_gb`` to its memory.
+predicted bubble and step time.
+
+With ``--cluster`` it predicts a whole run instead, on a cluster preset or description (or ``local``,
+this machine as profiled): the layout at every phase of a freeze timeline, chosen among more stages,
+recomputation and bf16 (:mod:`pipetransformer.pipe.levers`), each phase's step simulated
+(:mod:`pipetransformer.pipe.simulate`), the alternatives rejected and why, and the speed-up over the
+static Pipe+DDP baseline.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .data import datasets_from_config
-from .models import build_model, load_tokenizer, minilm_path
-from .pipe.cost import BlockCost
-from .pipe.partition import bubble_fraction, predict_step_time
-from .pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
-from .pipe.profile import estimate_block_costs
+from .config import Config, ConfigError
+from .pipe.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from .pipe.cost import (
+    ADAMW_STATE_FACTOR,
+    FLOAT_BYTES,
+    SGD_MOMENTUM_STATE_FACTOR,
+    BlockCost,
+    BlockWork,
+    Precision,
+)
+from .pipe.levers import Candidate, LeverSettings
+from .pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
+from .pipe.partition import GIB, bubble_fraction, predict_step_time
+from .pipe.planner import BYTES_PER_GB, PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
+from .pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
-__all__ = ["plan_command", "plan_report"]
+__all__ = ["ClusterPlanRequest", "cluster_plan_command", "cluster_run_plan", "plan_command", "plan_report"]
 
 PROFILE_BATCH = 8
 
 
-def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
+def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
+    """The config's model (blocks), one example batch, and its class count: what profiling runs on."""
+    from .data import datasets_from_config
+    from .models import build_model, load_tokenizer, minilm_path
+
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     train = datasets_from_config(replace(config.data, max_train_samples=PROFILE_BATCH), tokenizer).train
     model = build_model(config.model.kind, num_labels=train.num_classes, path=config.model.path,
@@ -35,8 +53,24 @@ def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
                         attn_implementation=config.model.attn_implementation)
     pad = config.data.max_length if train.task == "text" else None
     inputs = train.get_batch(list(range(min(PROFILE_BATCH, len(train)))), pad_to=pad).inputs
-    costs = estimate_block_costs(model, inputs, num_classes=train.num_classes, measure=config.pipe.profile)
+    return model, inputs, train.num_classes
+
+
+def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
+    from .pipe.profile import estimate_block_costs
+
+    model, inputs, num_classes = _model_and_batch(config)
+    costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
     return costs, model.block_names()
+
+
+def _profiled(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
+    """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model."""
+    from .pipe.profile import analytic_block_work, estimate_block_costs
+
+    model, inputs, num_classes = _model_and_batch(config)
+    costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
+    return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
 
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],
@@ -79,4 +113,211 @@ def plan_command(config: Config, world_size: int, as_json: bool) -> int:
     bubble = report["bubble_fraction"]
     print(f"bubble {bubble:.1%}, predicted step {report['predicted_step_s'] * 1e3:.0f} ms"
           + ("" if math.isfinite(report["predicted_step_s"]) else " (unbounded)"))
+    return 0
+
+
+# --------------------------------------------------------------------------- plan --cluster: a whole run, predicted
+
+USABLE_MEMORY_FRACTION = 0.9
+"""Share of a device's memory the planner fills when ``pipe.device_memory_gb`` is unset; the rest is an
+assumed allowance for the CUDA context, allocator fragmentation and communication buffers."""
+
+LEVERS = ("stages", "recompute", "bf16")
+GEOMETRIC = "geometric"
+PLOT_DPI = 120
+
+
+@dataclass(frozen=True)
+class ClusterPlanRequest:
+    """The ``plan --cluster`` options (see ``pipetransformer plan --help``)."""
+
+    cluster: str
+    model: str | None = None
+    seq_len: int | None = None
+    freeze: str = GEOMETRIC
+    epochs: float | None = None
+    freeze_every: float | None = None
+    levers: tuple[str, ...] = LEVERS
+    baseline_stages: int | None = None
+    baseline_micro_batches: int | None = None
+    plot: str | None = None
+    timeline: bool = False
+
+
+def optimizer_state_factor(optimizer: str, momentum: float) -> int:
+    """Parameter-sized state tensors the optimizer keeps: AdamW two, SGD one with momentum, none without."""
+    if optimizer == "adamw":
+        return ADAMW_STATE_FACTOR
+    return SGD_MOMENTUM_STATE_FACTOR if momentum else 0
+
+
+def _spec_from_config(config: Config) -> ModelSpec:
+    """The analytic description of the model a config trains (for a cluster this machine is not)."""
+    model = config.model
+    if model.kind == "minilm":
+        return BUILT_IN_MODELS["minilm"].with_seq_len(config.data.max_length)
+    if model.kind == "vit":
+        vit = dict(model.vit)
+        hf = {"model_type": "vit", "image_size": vit["image_size"], "patch_size": vit["patch_size"],
+              "num_channels": vit["in_channels"], "hidden_size": vit["dim"], "num_hidden_layers": vit["depth"],
+              "num_attention_heads": vit["heads"], "intermediate_size": math.ceil(vit["mlp_ratio"] * vit["dim"])}
+        return model_from_hf_config(hf, name="vit (config)")
+    spec = (load_model_spec(model.path) if model.path
+            else model_from_hf_config(model.hf_config or {}, name="model.hf_config"))
+    return spec.with_seq_len(config.data.max_length) if spec.is_text else spec
+
+
+def _levers(names: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [name for name in names if name not in LEVERS]
+    if unknown:
+        raise ConfigError(f"--levers: unknown lever {unknown[0]!r} (allowed: {', '.join(LEVERS)})")
+    return names
+
+
+def _timeline(config: Config, request: ClusterPlanRequest, num_layers: int, epochs: float) -> list[FreezePoint]:
+    if request.freeze != GEOMETRIC:
+        return read_timeline(Path(request.freeze))
+    every = request.freeze_every
+    if every is None:
+        if config.freeze.interval_unit != "epochs":
+            raise ConfigError("freeze.interval_unit is steps, which the planner cannot place in epochs: "
+                              "give --freeze-every EPOCHS")
+        every = float(config.freeze.interval)
+    return geometric_timeline(num_layers, alpha=config.freeze.alpha, max_fraction=config.freeze.max_fraction,
+                              epochs=epochs, every_epochs=every)
+
+
+def cluster_run_plan(config: Config, request: ClusterPlanRequest,
+                     world_size: int) -> tuple[RunPlan, Cluster, ModelSpec | None, LeverSettings]:
+    """The predicted run of ``config`` (or of ``request.model``) on ``request.cluster``."""
+    levers = _levers(request.levers)
+    spec = load_model_spec(request.model, seq_len=request.seq_len) if request.model is not None else None
+    costs: dict[Precision, list[BlockCost] | None]
+    if request.cluster == LOCAL:
+        measured, work, _ = _profiled(config)
+        cluster = local_cluster(world_size, memory_gb=config.pipe.device_memory_gb,
+                                link_bandwidth_gb_s=config.pipe.link_bandwidth_gbps,
+                                flops_per_second=calibrated_flops(work, measured),
+                                micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
+        costs = {Precision.FP32: measured, Precision.BF16: None}
+    else:
+        cluster = load_cluster(request.cluster)
+        spec = spec or _spec_from_config(config)
+    if spec is not None:  # analytic costs at the cluster's (for local: the calibrated) speed
+        costs = {precision: spec.costs(cluster.device, precision) for precision in Precision}
+    fp32 = costs[Precision.FP32]
+    assert fp32 is not None
+    num_layers = len(fp32) - 2
+    budget = (config.pipe.device_memory_gb * BYTES_PER_GB if config.pipe.device_memory_gb is not None
+              else cluster.device.memory_bytes * USABLE_MEMORY_FRACTION)
+    fixed_stages = (config.pipe.stages,) if isinstance(config.pipe.stages, int) else (1,)
+    micro_batches = config.pipe.micro_batches if isinstance(config.pipe.micro_batches, int) else None
+    settings = LeverSettings(
+        memory_budget_bytes=budget, schedule=config.pipe.schedule, micro_batches=micro_batches,
+        precisions=(Precision.FP32, Precision.BF16) if "bf16" in levers else (Precision.FP32,),
+        recompute="recompute" in levers, stage_counts=None if "stages" in levers else fixed_stages,
+        optimizer_state_factor=optimizer_state_factor(config.train.optimizer, config.train.momentum))
+    baseline = replace(settings, precisions=(Precision.FP32,), recompute=False,
+                       stage_counts=None if request.baseline_stages is None else (request.baseline_stages,),
+                       micro_batches=request.baseline_micro_batches or micro_batches)
+    epochs = request.epochs if request.epochs is not None else float(config.train.epochs)
+    plan = plan_run(costs, cluster, num_layers=num_layers, timeline=_timeline(config, request, num_layers, epochs),
+                    epochs=epochs, settings=settings, baseline_settings=baseline,
+                    batch=BatchPolicy(config.train.batch_size, config.dp.batch_policy == "keep_per_pipeline"),
+                    cache=config.cache.enabled, cache_min_frozen=config.cache.min_frozen)
+    return plan, cluster, spec, settings
+
+
+def _model_lines(spec: ModelSpec, optimizer_factor: int) -> list[str]:
+    """Embeddings, one layer (all are alike), head: per-sample FLOPs and bytes, per-block weights."""
+    rows = spec.describe_blocks(Precision.FP32, optimizer_factor)
+    shown = [rows[0], rows[1], rows[-1]]
+    params = sum(row["param_bytes"] for row in rows) / FLOAT_BYTES
+    lines = [f"model {spec.name}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.seq_len} tokens, "
+             f"{params / 1e6:.1f} M parameters (fp32; bf16 halves activations and outputs)",
+             f"  {'block':<12} {'GFLOP/sample':>12} {'param MB':>9} {'grad+opt MB':>11} {'act MB/sample':>13} "
+             f"{'out KB/sample':>13}"]
+    for row in shown:
+        name = row["name"] if row["name"] != "layer_0" else f"layer (x{spec.num_layers})"
+        lines.append(f"  {name:<12} {row['forward_gflops']:>12.3f} {row['param_bytes'] / 1e6:>9.1f} "
+                     f"{(row['gradient_bytes'] + row['optimizer_bytes']) / 1e6:>11.1f} "
+                     f"{row['activation_bytes'] / 1e6:>13.2f} {row['output_bytes'] / 1e3:>13.1f}")
+    return lines
+
+
+def _phase_row(start: float, end: float, frozen: str, cached: str, candidate: Candidate) -> str:
+    simulation = candidate.simulation
+    assert simulation is not None
+    recompute = str(len(candidate.recomputed)) if candidate.recomputed else "-"
+    return (f"  {start:>5.2f} {end:>5.2f} {frozen:>6} {cached:>6}  {candidate.stages:>2} x {candidate.replicas:<3}"
+            f" {candidate.micro_batches:>4} {candidate.replica_batch:>5} {candidate.precision.value:>5} {recompute:>9}"
+            f" {candidate.samples_per_s:>10.1f} {simulation.step_s * 1e3:>8.1f} {simulation.bubble_fraction:>6.2f}"
+            f" {candidate.peak_memory_bytes / GIB:>7.2f}")
+
+
+def format_run_plan(plan: RunPlan, cluster: Cluster, spec: ModelSpec | None, settings: LeverSettings,
+                    show_timeline: bool) -> str:
+    lines = [f"cluster {cluster.describe()}"]
+    if spec is not None:
+        lines += _model_lines(spec, settings.optimizer_state_factor)
+    levers = ["stages" if settings.stage_counts is None else f"stages fixed at {settings.stage_counts[0]}"]
+    levers += ["recomputation"] if settings.recompute else []
+    levers += ["bf16"] if Precision.BF16 in settings.precisions else []
+    lines.append(f"levers: {', '.join(levers)}; budget {settings.memory_budget_bytes / GIB:.2f} GiB per device; "
+                 f"{settings.schedule}")
+    lines += ["", f"  {'from':>5} {'to':>5} {'frozen':>6} {'cached':>6}  {'layout':<8} {'M':>4} {'batch':>5} "
+                  f"{'prec':>5} {'recompute':>9} {'samples/s':>10} {'step ms':>8} {'bubble':>6} {'mem GiB':>7}"]
+    for phase in plan.phases:
+        frozen = f"{phase.frozen_layers}" + ("*" if phase.filling else "")
+        lines.append(_phase_row(phase.start, phase.end, frozen, str(phase.cached_blocks), phase.choice.chosen))
+    lines.append(_phase_row(0.0, 1.0, "-", "-", plan.baseline.chosen) + "  <- static Pipe+DDP baseline")
+    lines += ["  (from/to: fraction of the run's samples; frozen: layers, * = the cache's first epoch after a freeze;"
+              " cached: blocks; batch: per replica; mem: fullest device)",
+              f"predicted speed-up over the baseline: {plan.speedup:.2f}x "
+              f"({1 / plan.relative_time:.0f} vs {plan.baseline.chosen.samples_per_s:.0f} samples/s on average)",
+              "", "rejected alternatives:"]
+    for phase in plan.phases:
+        lines.append(f"  {phase.start:.2f}-{phase.end:.2f} ({phase.frozen_layers} frozen): chose "
+                     f"{phase.choice.chosen.label()}")
+        lines += [f"    {candidate.label()}: {candidate.reason}" for candidate in phase.choice.rejected]
+    if show_timeline:
+        for phase in plan.phases:
+            simulation = phase.choice.chosen.simulation
+            assert simulation is not None
+            lines += ["", f"one step at {phase.start:.2f}-{phase.end:.2f} ({simulation.step_s * 1e3:.1f} ms):",
+                      simulation.render()]
+    return "\n".join(lines)
+
+
+def plot_run_plan(plan: RunPlan, path: Path) -> None:
+    """Predicted samples/s through the run, PipeTransformer against the static baseline."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for phase in plan.phases:
+        chosen = phase.choice.chosen
+        axes.hlines(phase.samples_per_s, phase.start, phase.end, colors="tab:blue", linewidth=2)
+        axes.annotate(f"{chosen.stages}x{chosen.replicas}", ((phase.start + phase.end) / 2, phase.samples_per_s),
+                      textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    axes.hlines(plan.baseline.chosen.samples_per_s, 0, 1, colors="tab:gray", linestyles="dashed",
+                label=f"static Pipe+DDP ({plan.baseline.chosen.label()})")
+    axes.plot([], [], color="tab:blue", label=f"PipeTransformer (predicted {plan.speedup:.2f}x)")
+    axes.set_xlabel("fraction of the run's samples")
+    axes.set_ylabel("predicted samples/s")
+    axes.legend(loc="upper left", fontsize=8)
+    figure.savefig(path, dpi=PLOT_DPI, bbox_inches="tight")
+
+
+def cluster_plan_command(config: Config, request: ClusterPlanRequest, world_size: int, as_json: bool) -> int:
+    plan, cluster, spec, settings = cluster_run_plan(config, request, world_size)
+    if request.plot:
+        plot_run_plan(plan, Path(request.plot))
+    if as_json:
+        print(json.dumps({"cluster": cluster.name, "model": spec.name if spec else config.model.kind,
+                          **plan.describe()}, indent=2))
+    else:
+        print(format_run_plan(plan, cluster, spec, settings, request.timeline))
     return 0

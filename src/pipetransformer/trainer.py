@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,26 +26,27 @@ import torch.nn.functional as F
 
 from .cache.prefix import FrozenPrefixCache
 from .cache.store import ActivationStore, StoreLayout, spec_from_activation
-from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, check_compatible, latest_valid_checkpoint,
-                         load_checkpoint, model_fingerprint, save_checkpoint)
+from .checkpoint import (META_CONFIG_KEY, META_FINGERPRINT_KEY, Checkpoint, CheckpointError, check_compatible,
+                         latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint, write_tensors)
 from .config import Config, ConfigError, config_to_dict
 from .control import ControlVector
 from .data import datasets_from_config, small_split_warnings
 from .data.batch import Batch, IndexedDataset
 from .data.sampler import ElasticSampler
-from .distributed import DistEnv, broadcast_string, init_distributed, new_groups, shutdown_distributed
-from .dp.handover import BlockTransfer, OPTIMIZER_STATE_KEYS, broadcast_blocks, transfer_blocks
+from .distributed import (DistEnv, broadcast_string, broadcast_tensors, init_distributed, new_groups,
+                          raise_together, shutdown_distributed)
+from .dp.handover import BlockTransfer, broadcast_blocks, place_state, state_tensors, transfer_blocks
 from .dp.sync import GradientSync
 from .faults import maybe_fail
 from .freeze import (PreviousGradients, block_grad_sq_norms, freeze_blocks, frozen_blocks, frozen_prefix_layers,
                      policy_from_settings)
-from .freeze.policies import FreezeDecision
-from .metrics import JsonlWriter, MetricsLog, StepTimer, write_json
+from .freeze.policies import UNWINDOWED, FreezeDecision
+from .metrics import JsonlWriter, MetricsLog, StepTimer, truncate_log, write_json
 from .models import BlockSequence, build_model, load_tokenizer, minilm_path
 from .optim import build_optimizer, layer_lr_scales, lr_at, set_lr
 from .pipe.cost import BlockCost
 from .pipe.layout import transfer_plan
-from .pipe.planner import LayoutPlan, plan_layout
+from .pipe.planner import LayoutPlan, plan_layout, step_micro_batches
 from .pipe.profile import estimate_block_costs
 from .pipe.stage import PipelineRunner, StageModule
 
@@ -55,10 +57,13 @@ logger = logging.getLogger(__name__)
 LENGTH_BUCKET = 8
 """Pipelined text batches are padded up to a multiple of this, so stages see few distinct shapes."""
 PROFILE_BATCH = 8
+WINDOWS_BEFORE_A_FREEZE = {"gradient": 2, "coherence": 3}
+"""The gradient test compares two windows; coherence needs a window of learning, then two below its threshold."""
 BEST_VALIDATION_DIR = "best-validation"
 """Under the checkpoint directory: the weights of the best validation accuracy, tested once at the end."""
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+SAMPLE_LOG_PREFIX = "samples-rank"  # + rank + .jsonl (run.record_samples)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -117,11 +122,12 @@ class Trainer:
         self.model.train()
         self.num_blocks = len(self.model)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
-        self.total_steps = self._total_steps()
+        # Planned optimizer steps at the starting global batch: what freeze.interval_unit fraction is a share of.
+        self.planned_steps = math.ceil(self._total_samples() / config.train.batch_size)
         f = config.freeze
         try:
             self.policy = policy_from_settings(f, self.model.num_layers, seed=config.seed,
-                                               total_steps=self.total_steps, enabled=f.enabled)
+                                               total_steps=self.planned_steps, enabled=f.enabled)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self._warn_if_freeze_cannot_fire()
@@ -145,10 +151,13 @@ class Trainer:
         if resumed is not None:
             self._restore_optimizer(resumed.optimizer)
         append = resumed is not None
+        if append:
+            self._truncate_sample_logs()
         self.metrics = (MetricsLog(self.run_dir, append=append, tensorboard=config.run.tensorboard,
                                    next_step=self.progress.step + 1) if self.env.is_main else None)
-        self.sample_log = (JsonlWriter(self.run_dir / f"samples-rank{self.env.rank}.jsonl", append)
+        self.sample_log = (JsonlWriter(self.run_dir / f"{SAMPLE_LOG_PREFIX}{self.env.rank}.jsonl", append)
                            if config.run.record_samples else None)
+        self._lr = 0.0  # of the current step
         self._loss_denominator = 1
         self._allreduce_bytes = 0
         self._layer_norms: list[float] = []
@@ -194,22 +203,30 @@ class Trainer:
             dist.broadcast(table, src=0)
         return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
 
-    def _total_steps(self) -> int:
-        per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
-        total = per_epoch * self.config.train.epochs
-        return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+    def _total_samples(self) -> int:
+        """The length of the learning-rate schedule and the progress bar, in samples: steps are not known in
+        advance when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
+        return len(self.train_set) * self.config.train.epochs
+
+    def _samples_done(self) -> int:
+        """Samples of the schedule before the sampler's position; a finished epoch counts whole, its dropped
+        tail (drop_last) included."""
+        epoch = self.progress.epoch + 1 if self.progress.epoch_done else self.sampler.epoch
+        position = 0 if self.progress.epoch_done else self.sampler.position
+        return epoch * len(self.train_set) + position
 
     def _warn_if_freeze_cannot_fire(self) -> None:
         """A decision window longer than the run freezes nothing: say so before training, once."""
         f = self.config.freeze
-        if not f.enabled or f.policy not in ("coherence", "gradient", "geometric", "random") or not self.env.is_main:
+        if not f.enabled or f.policy in UNWINDOWED or not self.env.is_main:
             return
         steps_per_epoch = math.ceil(len(self.train_set) / self.config.train.batch_size)
         window = self.policy.interval * (steps_per_epoch if self.policy.interval_unit == "epochs" else 1)
-        needed = window * (2 if f.policy == "gradient" else 1)  # the gradient test compares two windows
-        if needed > self.total_steps:
+        needed = window * WINDOWS_BEFORE_A_FREEZE.get(f.policy, 1)
+        steps = min(self.planned_steps, self.config.train.max_steps or self.planned_steps)
+        if needed > steps:
             logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will freeze; "
-                           "shorten freeze.interval (or use interval_unit: fraction)", needed, self.total_steps)
+                           "shorten freeze.interval (or use interval_unit: fraction)", needed, steps)
 
     # ----------------------------------------------------------------------------------- layout
     def _frozen_prefix_blocks(self) -> int:
@@ -255,7 +272,7 @@ class Trainer:
                 _Bounds(previous.plan.held_bounds()), previous.plan.layout, _Bounds(bounds), layout)]
             moved = len(transfers)
             maybe_fail("handover", rank)
-            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer, rank)
+            received = transfer_blocks(self.model, transfers, self.optimizer, rank)
         self._destroy_groups()
         self.pipe_group = new_groups(layout.all_pipeline_groups(), rank) if self.env.distributed else None
         self.dp_group = new_groups(layout.all_dp_groups(), rank) if self.env.distributed else None
@@ -313,7 +330,7 @@ class Trainer:
                              is_last=held.stage == held.plan.layout.num_stages - 1)
         assert self.pipe_group is not None
         self.runner = PipelineRunner(module, held.stage, held.plan.layout.num_stages, self.env.device,
-                                     self.pipe_group, self.config.pipe.schedule, self._pipeline_loss)
+                                     self.pipe_group, self._pipeline_loss)
 
     def _ensure_cache(self, plan: LayoutPlan) -> None:
         """Create the shared store the first time the cache is needed (all ranks, same moment)."""
@@ -324,7 +341,7 @@ class Trainer:
             activation = self.model.forward_range(example, 0, plan.cached_blocks)
         pad = self.config.data.max_length if self.train_set.task == "text" else None
         spec = spec_from_activation(activation, pad_to=pad)
-        disk_dir = self.config.cache.dir or str(self.run_dir / "cache")
+        disk_dir = self.config.cache.dir or tempfile.gettempdir()  # node-local: run_dir is shared across nodes
         memory_bytes = int(self.config.cache.memory_gb * 1e9)
         if self.env.is_local_leader:  # keys: training samples, then evaluation samples
             store = ActivationStore.create(len(self.train_set) + len(self.eval_set), spec, memory_bytes,
@@ -393,6 +410,9 @@ class Trainer:
         held = self.held
         layout = held.plan.layout
         self._loss_denominator = len(global_batch)
+        size = len(global_batch)
+        self._lr = lr_at(self._samples_done() - size, self._total_samples(), self.config.train, size)
+        self._lr *= self._lr_scale()
         loss_sum = torch.zeros((), dtype=torch.float64)
         if held.stage is not None:
             assert held.replica is not None
@@ -412,9 +432,10 @@ class Trainer:
             elif batch is not None and self.runner is not None:
                 with timer.phase("forward_backward"):
                     inputs = self._prefix(batch) if held.stage == 0 else None
-                    micro = _largest_divisor_at_most(len(batch), held.plan.micro_batches)
+                    micro, schedule = step_micro_batches(len(batch), held.plan.micro_batches, layout.num_stages,
+                                                         self.config.pipe.schedule)
                     shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if self.train_set.task == "text" else ()))
-                    losses = self.runner.step(shape_key, micro, inputs, batch.labels.to(self.env.device))
+                    losses = self.runner.step(shape_key, micro, schedule, inputs, batch.labels.to(self.env.device))
                 if losses:
                     loss_sum += sum(float(l.detach()) for l in losses)
             with timer.phase("allreduce"):
@@ -433,7 +454,7 @@ class Trainer:
                     grads = [p.grad for p in self._held_params(held) if p.grad is not None]
                     if coef < 1.0 and grads:
                         torch._foreach_mul_(grads, coef)
-                set_lr(self.optimizer, lr_at(self.progress.step, self.total_steps, self.config.train) * self._lr_scale())
+                set_lr(self.optimizer, self._lr)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self._layer_norms = control.layer_grad_norms()
@@ -557,8 +578,8 @@ class Trainer:
         started = self._started = time.perf_counter() - self.progress.elapsed_before_s
         timer = StepTimer(self.env.device)
         cfg = self.config.train
-        bar = _progress_bar(self.total_steps, self.progress.step) if self.env.is_main and self.config.run.progress \
-            else None
+        bar = (_progress_bar(self._total_samples(), self._samples_done())
+               if self.env.is_main and self.config.run.progress else None)
         resumed_mid_epoch = self.progress.step > 0 and not self.progress.epoch_done
         first_epoch = self.progress.epoch + (1 if self.progress.epoch_done else 0)
         done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
@@ -588,18 +609,24 @@ class Trainer:
                         self._record_eval(started)
                     done = cfg.max_steps is not None and self.progress.step >= cfg.max_steps
                     every = self.config.checkpoint.every_steps
-                    periodic = every and self.progress.step % every == 0 and not self._epoch_exhausted()
-                    if self._stop_requested or periodic:  # at an epoch's end the epoch-end checkpoint follows
+                    periodic = every and self.progress.step % every == 0
+                    mid_epoch = not self._epoch_exhausted()  # at an epoch's end the epoch-end checkpoint follows
+                    if self._stop_requested or (mid_epoch and (periodic or done)):
                         self.save_checkpoint(started)
                     if self._stop_requested:
                         logger.warning("SIGTERM: checkpoint written at step %d, stopping", self.progress.step)
                         return self._finish(started, completed=False)
+                if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
+                    break
                 if not cfg.eval_every_steps:
                     self._record_eval(started)
+                # Applied even on the last step: a checkpoint's policy state is always the model's frozen state.
                 decision = self.policy.decide(self.progress.step, epoch, epoch_end=True)
-                if decision is not None and not done:
+                if decision is not None:
                     self._apply_decision(decision)
                 self.progress.epoch_done = True
+                if bar is not None:
+                    bar.update(self._samples_done() - bar.n)  # a dropped tail counts as done
                 self.save_checkpoint(started)
             if not self.progress.eval_history or self.progress.eval_history[-1]["step"] != self.progress.step:
                 self._record_eval(started)  # the final model, whatever eval_every_steps is
@@ -647,18 +674,25 @@ class Trainer:
             "initial_width": self.initial_width,
             "world_size": self.env.world_size,
             META_CONFIG_KEY: config_to_dict(self.config),
-            META_FINGERPRINT_KEY: model_fingerprint(self.model.named_parameters()),
+            META_FINGERPRINT_KEY: model_fingerprint(self.model.state_dict()),
         }
 
     def save_checkpoint(self, started: float) -> None:
-        """Gather the layout-independent state on rank 0 and write it atomically (all ranks must call)."""
+        """Gather the layout-independent state on rank 0 and write it atomically (all ranks must call); if the
+        write fails, every rank raises its CheckpointError."""
         if not self.config.checkpoint.enabled:
             return
         weights, optimizer = self.gather_state()
-        if not self.env.is_main:
+        saved, error = None, ""
+        if self.env.is_main:
+            try:
+                saved = save_checkpoint(self.checkpoint_dir, self.progress.step, weights, optimizer,
+                                        self._meta(started), keep=self.config.checkpoint.keep)
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
+        if saved is None:
             return
-        saved = save_checkpoint(self.checkpoint_dir, self.progress.step, weights, optimizer, self._meta(started),
-                                keep=self.config.checkpoint.keep)
         record = {"step": saved.step, "bytes": saved.bytes_written, "seconds": saved.seconds, "path": str(saved.path)}
         self.progress.checkpoints.append(record)
         if self.metrics is not None:
@@ -666,22 +700,37 @@ class Trainer:
             self.metrics.flush()  # the events up to this checkpoint survive a kill; a resume continues from here
 
     def _resume_checkpoint(self) -> Checkpoint | None:
-        """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank."""
+        """The checkpoint to resume from (``checkpoint.resume``), the same one on every rank.
+
+        Rank 0 alone reads and verifies it and hands it to the others; a checkpoint that cannot be read or
+        used makes every rank raise the same CheckpointError.
+        """
         resume = self.config.checkpoint.resume
         if resume is None:
             return None
-        if resume == "auto":
-            checkpoint = latest_valid_checkpoint(self.checkpoint_dir) if self.env.is_main else None
-            chosen = broadcast_string(str(checkpoint.path) if checkpoint is not None else "")
-            if not chosen:
-                logger.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
-                return None
-        else:
-            chosen = resume
-        checkpoint = load_checkpoint(Path(chosen))
-        check_compatible(checkpoint.meta, model_fingerprint=model_fingerprint(self.model.named_parameters()),
-                         config=config_to_dict(self.config))
-        return checkpoint
+        checkpoint, error = None, ""
+        if self.env.is_main:
+            try:
+                checkpoint = (latest_valid_checkpoint(self.checkpoint_dir) if resume == "auto"
+                              else load_checkpoint(Path(resume)))
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
+        path = broadcast_string(str(checkpoint.path) if checkpoint is not None else "")
+        if not path:
+            logger.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
+            return None
+        meta = json.loads(broadcast_string(json.dumps(checkpoint.meta) if checkpoint is not None else ""))
+        error = ""
+        try:  # on every rank: its own model and config
+            check_compatible(meta, model_fingerprint=model_fingerprint(self.model.state_dict()),
+                             config=config_to_dict(self.config))
+        except CheckpointError as failure:
+            error = str(failure)
+        raise_together(error, CheckpointError)
+        weights = broadcast_tensors(checkpoint.weights if checkpoint is not None else None)
+        optimizer = broadcast_tensors(checkpoint.optimizer if checkpoint is not None else None)
+        return Checkpoint(Path(path), int(meta["step"]), weights, optimizer, meta)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         meta = checkpoint.meta
@@ -699,50 +748,65 @@ class Trainer:
             self.initial_width = meta["initial_width"]
         logger.info("resumed from %s (step %d, epoch %d)", checkpoint.path, self.progress.step, self.progress.epoch)
 
+    def _truncate_sample_logs(self) -> None:
+        """Cut each rank's sample log back to the checkpoint (the rank's own, and rank 0 those of ranks this run
+        no longer has), so a step the killed attempt trained after it is recorded once."""
+        for path in self.run_dir.glob(f"{SAMPLE_LOG_PREFIX}*.jsonl"):
+            rank = int(path.stem.removeprefix(SAMPLE_LOG_PREFIX))
+            if rank == self.env.rank or (self.env.is_main and rank >= self.env.world_size):
+                truncate_log(path, self.progress.step)
+
     def _restore_optimizer(self, state: dict[str, torch.Tensor]) -> None:
+        """Install the checkpoint's "<param name>.<state key>" tensors for the held parameters, whatever the keys."""
         if self.optimizer is None:
             return
-        keys = OPTIMIZER_STATE_KEYS[self.config.train.optimizer]
+        saved: dict[str, dict[str, torch.Tensor]] = {}
+        for full_name, tensor in state.items():
+            name, _, key = full_name.rpartition(".")  # state keys have no dots, parameter names do
+            saved.setdefault(name, {})[key] = tensor
         names = {id(p): n for n, p in self.model.named_parameters()}
         for param in self._held_params(self.held):
-            name = names[id(param)]
-            if f"{name}.{keys[0]}" in state:
-                self.optimizer.state[param] = {k: state[f"{name}.{k}"].clone() for k in keys}
+            if names[id(param)] in saved:
+                self.optimizer.state[param] = place_state(param, saved[names[id(param)]])
 
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The layout-independent training state on rank 0: every block's parameters and the optimizer
-        state of every trainable parameter, keyed by parameter name (other ranks get empty dicts)."""
+        """The layout-independent training state on rank 0: every block's parameters and persistent buffers,
+        and the optimizer state of every trainable parameter, keyed by name (other ranks get empty dicts)."""
         plan = self.held.plan
         received: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
         if self.env.distributed:
             owners = {b: plan.layout.rank(0, s) for s, (start, end) in enumerate(plan.held_bounds())
                       for b in range(start, end)}
             transfers = [BlockTransfer(b, owner, 0) for b, owner in sorted(owners.items()) if owner != 0]
-            received = transfer_blocks(self.model, transfers, self.optimizer, self.config.train.optimizer,
-                                       self.env.rank)
+            received = transfer_blocks(self.model, transfers, self.optimizer, self.env.rank)
         if not self.env.is_main:
             return {}, {}
         own = self.optimizer.state if self.optimizer is not None else {}
-        weights, optimizer = {}, {}
+        weights = {name: tensor.detach().clone().contiguous() for name, tensor in self.model.state_dict().items()}
+        optimizer = {}
         for name, param in self.model.named_parameters():
-            weights[name] = param.detach().clone().contiguous()
             state = received.get(param) or own.get(param)
             if param.requires_grad and state:
-                for key in OPTIMIZER_STATE_KEYS[self.config.train.optimizer]:
-                    optimizer[f"{name}.{key}"] = state[key].detach().clone().reshape(state[key].shape).contiguous()
+                for key, value in state_tensors(param, state).items():
+                    optimizer[f"{name}.{key}"] = value.detach().clone().contiguous()
         return weights, optimizer
 
     def save_model(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        """Every block's weights and all optimizer state, written as checkpoint files are (all ranks must call)."""
         weights, optimizer = self.gather_state()
+        error = ""
         if self.env.is_main:
-            save_file(weights, str(directory / "model.safetensors"))
-            save_file(optimizer, str(directory / "optimizer.safetensors"))
+            try:
+                write_tensors(directory / "model.safetensors", weights, "model")
+                write_tensors(directory / "optimizer.safetensors", optimizer, "optimizer")
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
 
     def _log_step(self, loss: float, samples: int, step_s: float, timer: StepTimer, bar: Any) -> None:
         layout = self.held.plan.layout
         if bar is not None:
-            bar.update(1)
+            bar.update(samples)
             bar.set_postfix_str(f"loss {loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
                                 f"{len(self.policy.frozen)} | stages {layout.num_stages} x dp {layout.dp_width}")
         if self.metrics is None:
@@ -751,7 +815,7 @@ class Trainer:
         if step % self.config.run.log_every and step != 1:
             return
         record = {"event": "step", "step": step, "epoch": self.progress.epoch, "loss": loss,
-                  "lr": lr_at(step - 1, self.total_steps, self.config.train) * self._lr_scale(),
+                  "lr": self._lr,
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,
                   "frozen_layers": len(self.policy.frozen), "stages": layout.num_stages, "dp_width": layout.dp_width,
                   "micro_batches": self.held.plan.micro_batches, "allreduce_bytes": self._allreduce_bytes,
@@ -810,11 +874,6 @@ class Trainer:
 @dataclass(frozen=True)
 class _Bounds:
     bounds: list[tuple[int, int]]
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    """Micro-batches must be equal in size (a stage's buffers have one shape)."""
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def _jsonable(value: Any) -> bool:

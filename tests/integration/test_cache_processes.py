@@ -25,7 +25,7 @@ DIM = 4
 MEMORY_RECORDS = 5
 WAIT_SECONDS = 120.0
 SPEC = ActivationSpec(shapes=((MAX_LEN, DIM), (MAX_LEN,)), dtypes=(torch.float32, torch.int64))
-INDEX_BYTES = 320
+INDEX_BYTES = 448  # boundary, checksum and sequence arrays of 16 samples (320 bytes) + alignment of 2 regions
 MEMORY_BYTES = INDEX_BYTES + MEMORY_RECORDS * SPEC.bytes_per_sample
 WRITTEN = [0, 3, 4, 7, 12, 15]
 LEADER_LOOP = [5, 6, 13]

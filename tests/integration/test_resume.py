@@ -7,6 +7,7 @@ sample of every epoch exactly once.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -51,6 +52,10 @@ def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, rank: int) -> None:
     for epoch, indices in seen_samples(crashed).items():
         assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}: not every sample exactly once"
     assert len(seen_samples(crashed)) == 6
+    # The logs hold each step once: what the killed attempt wrote after its checkpoint was cut at the resume.
+    assert [s["step"] for s in logged_records(crashed, "step")] == list(range(1, 37))
+    for log in crashed.glob("samples-rank*.jsonl"):
+        assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 37)), log.name
     # TensorBoard shows each step once, the killed attempt's steps up to its checkpoint and the resumed run's after.
     expected = [(s["step"], pytest.approx(s["loss"])) for s in logged_records(reference, "step")]
     assert event_scalars(crashed / "tensorboard", "train/loss") == expected
@@ -126,3 +131,42 @@ def test_worker_dying_in_a_handover_fails_fast_then_restart_resumes_exactly(tmp_
         assert torch.equal(optimizer_state(restarted)[name], tensor), f"{name} differs after the restart"
     for epoch, indices in seen_samples(restarted).items():
         assert sorted(indices) == list(range(96)), f"epoch {epoch}: not every sample exactly once"
+
+
+TEXT = "tiny_text.yaml"
+EPOCH_FREEZE = ("run.save_model=true", "run.record_samples=true", "deterministic=true", "freeze.enabled=true",
+                "freeze.policy=geometric", "freeze.interval_unit=epochs", "freeze.alpha=0.5")
+
+
+def test_max_steps_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """tiny_text: 2 epochs of 8 steps. Stopped by train.max_steps=5 mid-epoch, then resumed without a limit: the
+    rest of epoch 0 is trained, the epoch-end freeze happens at step 8 (not at the stop), and the end is
+    bit-identical to a run that never stopped."""
+    reference = tmp_path / "reference"
+    run_job(TEXT, reference, *EPOCH_FREEZE)
+    stopped = tmp_path / "stopped"
+    run_job(TEXT, stopped, *EPOCH_FREEZE, "train.max_steps=5")
+    assert summary(stopped)["freeze_decisions"] == []
+    run_job(TEXT, stopped, *EPOCH_FREEZE, extra_args=("--resume",))
+
+    result, expected = summary(stopped), summary(reference)
+    assert (result["steps"], result["train_samples"]) == (expected["steps"], expected["train_samples"]) == (16, 512)
+    decided_at = [d["step"] for d in result["freeze_decisions"]]
+    assert decided_at == [d["step"] for d in expected["freeze_decisions"]] == [8, 16]
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(stopped)[name], tensor), f"{name} differs after resume"
+    assert optimizer_state(stopped).keys() == optimizer_state(reference).keys()
+    for name, tensor in optimizer_state(reference).items():
+        assert torch.equal(optimizer_state(stopped)[name], tensor), f"{name} differs after resume"
+    assert seen_samples(stopped) == seen_samples(reference)
+
+
+def test_a_failed_checkpoint_write_stops_every_worker_with_its_message(tmp_path: Path) -> None:
+    """Rank 0 cannot write its checkpoint: every worker stops with that one-line error, none with a lost peer."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_job(VIT, tmp_path / "run", f"checkpoint.dir={blocker}/checkpoints", "checkpoint.every_steps=1",
+                     nproc=2, expect_ok=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot write checkpoint to {blocker}")
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -152,3 +152,37 @@ def test_layer_lr_decay_scales_each_blocks_update(tmp_path: Path) -> None:
         block = int(name.split(".")[1])
         expected = (runs["full"][name] - initial) * 0.5 ** (num_blocks - 1 - block)
         torch.testing.assert_close(runs["decayed"][name] - initial, expected, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("samples", [45, 33], ids=["tail-13-prime", "tail-1-below-stages"])
+def test_1f1b_epoch_tail_of_an_odd_size(tmp_path: Path, samples: int) -> None:
+    """An epoch of 32 + a tail of 13 (prime, above the 8 micro-batches: 13 of one sample each) or of 1 (fewer
+    samples than stages: that step runs GPipe) under 1F1B trains as one process does, and does not crash."""
+    common = (*SAVE, f"data.max_train_samples={samples}", "train.epochs=1")
+    reference = tmp_path / "reference"
+    run_job(TEXT, reference, *common)
+    piped = tmp_path / "piped"
+    run_job(TEXT, piped, *common, "pipe.enabled=true", "pipe.stages=2", "pipe.schedule=1f1b", "pipe.micro_batches=8",
+            nproc=2)
+    assert summary(piped)["steps"] == 2 and summary(piped)["train_samples"] == samples
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
+
+
+def test_lr_schedule_and_progress_span_the_samples_when_the_batch_grows_and_tails_drop(tmp_path: Path) -> None:
+    """keep_per_pipeline doubles the global batch at the width change (16 -> 32) and drop_last drops 8 samples of
+    each epoch of 200: the linear schedule still ends with the data, and the progress bar reaches its total."""
+    samples, epochs, batch, warmup = 200, 2, 16, 0.06
+    result = run_job(VIT, tmp_path, f"data.max_train_samples={samples}", f"train.epochs={epochs}",
+                     f"train.batch_size={batch}", "train.drop_last=true", f"train.warmup_fraction={warmup}",
+                     "train.lr_schedule=linear", "run.progress=true", "pipe.enabled=true", "dp.enabled=true",
+                     "pipe.device_memory_gb=0.008", "dp.batch_policy=keep_per_pipeline", "freeze.enabled=true",
+                     "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[2,3]]", nproc=2)
+    steps = logged_records(tmp_path, "step")
+    assert [s["global_batch"] for s in steps] == [16, 16] + [32] * 5 + [32] * 6
+    total = samples * epochs
+    warmup_samples = int(warmup * total)
+    peak = 1e-3 * 2  # tiny_vit's train.lr, linearly scaled at width 2
+    # The last step trains samples 360..392 of 400 (its epoch's 8 last ones dropped): one batch and a tail from the end.
+    assert steps[-1]["lr"] == pytest.approx(peak * (1 - (total - 40 - warmup_samples) / (total - warmup_samples)))
+    assert f"{total}/{total}" in result.stderr, "the progress bar (in samples) did not reach its total"

@@ -228,7 +228,7 @@ def test_corrupt_disk_record_is_recomputed(tmp_path: Path) -> None:
     model = _text_model()
     boundary = 2
     _freeze(model, boundary)
-    index_only_budget = 256
+    index_only_budget = 320  # 12 samples: boundary, checksum and sequence arrays (288 bytes), no record
     with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, index_only_budget, tmp_path) as disk_store:
         assert disk_store.layout.memory_records == 0
         cache = FrozenPrefixCache(disk_store)

@@ -10,7 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,7 @@ def _text_batch(batch: int, length: int, seed: int) -> Activation:
 
 def _memory_bytes_for(records: int) -> int:
     """A budget that fits the index arrays and ``records`` records (alignment slack included)."""
-    index_bytes = NUM_SAMPLES * (4 + 8) + 64
+    index_bytes = NUM_SAMPLES * (4 + 8 + 8) + 64 * 2  # boundary, checksum, sequence number
     slack = 64 * 2
     return index_bytes + records * TEXT_SPEC.bytes_per_sample + slack
 
@@ -279,3 +279,72 @@ def test_disk_failure_warns_through_logging(tmp_path: Path, caplog: pytest.LogCa
         store.unlink_names()
         assert store.layout.disk_records == 0
     assert sum("disk level disabled" in r.getMessage() for r in caplog.records) == 1
+
+
+class _RewriteBetweenTensors(list):  # type: ignore[type-arg]
+    """A level's per-tensor regions that let another worker rewrite the record while a read is between them."""
+
+    def __init__(self, regions: list[torch.Tensor], rewrite: Callable[[], None]) -> None:
+        super().__init__(regions)
+        self._rewrite = rewrite
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for position, region in enumerate(list.__iter__(self)):
+            if position == 1:
+                self._rewrite()
+            yield region
+
+
+def test_a_record_rewritten_at_the_same_boundary_during_a_read_is_a_miss_not_torn() -> None:
+    with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, LOOSE_BUDGET) as reader:
+        writer = ActivationStore.attach(reader.layout)
+        reader.unlink_names()
+        old, new = _text_batch(1, MAX_LEN, seed=20), _text_batch(1, MAX_LEN, seed=21)
+        reader.write(torch.tensor([3]), old, boundary=2)
+        level = reader._memory  # noqa: SLF001 - the read's copy loop, to interleave a write deterministically
+        level.tensors = _RewriteBetweenTensors(level.tensors, lambda: writer.write(torch.tensor([3]), new, boundary=2))
+        read = reader.read(torch.tensor([3]))
+        assert not read.served.any(), "served the old record's hidden states with the new record's mask"
+        level.tensors = list(level.tensors)
+        again = reader.read(torch.tensor([3]))
+        assert again.served.all() and torch.equal(again.activation[0], new[0])
+        writer.close()
+
+
+def test_bfloat16_records_spill_to_disk_and_read_back_bit_exact(tmp_path: Path) -> None:
+    """The disk level's checksum covers a record's raw bytes, whatever its dtype (numpy has no bfloat16)."""
+    activation = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in _text_batch(3, MAX_LEN, seed=22))
+    spec = spec_from_activation(activation)
+    with ActivationStore.create(NUM_SAMPLES, spec, _memory_bytes_for(0), tmp_path) as store:
+        store.unlink_names()
+        indices = torch.tensor([2, 5, 9])
+        store.write(indices, activation, boundary=1)
+        read = store.read(indices)
+        assert read.served.all() and store.stats().disk_used_bytes > 0
+        assert all(torch.equal(got, want) for got, want in zip(read.activation, activation, strict=True))
+
+
+LEADER_KILLED_BEFORE_UNLINK = """
+import os, signal, sys, torch
+from pipetransformer.cache.store import ActivationStore
+from pipetransformer.models.blocks import ActivationSpec
+spec = ActivationSpec(shapes=((8, 4), (8,)), dtypes=(torch.float32, torch.int64))
+store = ActivationStore.create(10, spec, 600, disk_dir=sys.argv[2], shm_dir=sys.argv[1])  # most on disk
+print(store.layout.memory_path, store.layout.disk_path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # after create, before unlink_names
+"""
+
+
+def test_regions_of_a_leader_killed_before_unlinking_are_removed_by_the_next_run(tmp_path: Path) -> None:
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, _memory_bytes_for(1), disk, shm_dir=shm) as alive:
+        killed = subprocess.run([sys.executable, "-c", LEADER_KILLED_BEFORE_UNLINK, str(shm), str(disk)],
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        stale = killed.stdout.split()
+        assert len(stale) == 2 and all(os.path.exists(p) for p in stale)
+        with ActivationStore.create(NUM_SAMPLES, TEXT_SPEC, _memory_bytes_for(1), disk, shm_dir=shm) as later:
+            assert not any(os.path.exists(p) for p in stale), "the dead leader's regions are still there"
+            live = [alive.layout.memory_path, alive.layout.disk_path, later.layout.memory_path, later.layout.disk_path]
+            assert all(p is not None and os.path.exists(p) for p in live), "a live process's region was removed"

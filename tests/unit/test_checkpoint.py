@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipetransformer.checkpoint import (
     MANIFEST_FILE,
@@ -33,6 +34,7 @@ from pipetransformer.checkpoint import (
     load_checkpoint,
     model_fingerprint,
     save_checkpoint,
+    write_tensors,
 )
 
 LOGGER = "pipetransformer.checkpoint"
@@ -404,3 +406,24 @@ def test_crash_mid_write_leaves_a_tmp_dir_that_is_ignored_then_cleaned(
     assert caplog.records == []
     _save(tmp_path, 3, keep=2)
     assert _steps(tmp_path) == [checkpoint_dir_name(1), checkpoint_dir_name(3)]
+
+
+def test_write_tensors_replaces_a_file_whole_and_owner_only(tmp_path: Path) -> None:
+    """What run.save_model writes: 0600 whatever the old file's mode, and a failed write (here a full disk) leaves
+    the previous file as it was, with no temporary file behind."""
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"previous")
+    os.chmod(target, 0o644)
+    write_tensors(target, {"w": torch.arange(4.0)}, "model")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    _assert_bit_exact(load_file(str(target)), {"w": torch.arange(4.0)})
+    previous = target.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, hard))
+    try:
+        with pytest.raises(CheckpointError, match=f"cannot write {target}: File too large"):
+            write_tensors(target, {"w": torch.ones(LARGE_WEIGHT_ELEMENTS)}, "model")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert target.read_bytes() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]

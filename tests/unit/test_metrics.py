@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from jobs import event_scalars
 
-from pipetransformer.metrics import MetricsLog, tensorboard_scalars
+from pipetransformer.metrics import MetricsLog, tensorboard_scalars, truncate_log
 
 
 def _step(step: int, **fields: Any) -> dict[str, Any]:
@@ -47,17 +47,36 @@ def test_after_flush_every_event_is_on_disk_while_the_run_goes_on(tmp_path: Path
 
 
 def test_a_resumed_log_replaces_the_steps_after_its_checkpoint(tmp_path: Path) -> None:
-    """Steps 1-4 logged, killed, resumed from a checkpoint at step 2: TensorBoard shows 1, 2 and the new 3, 4."""
+    """Steps 1-4 logged, killed, resumed from a checkpoint at step 2: TensorBoard and metrics.jsonl show 1, 2 and the
+    new 3, 4; the killed attempt's records after its checkpoint record are gone, even those of step 2."""
     first = MetricsLog(tmp_path, append=False, tensorboard=True, next_step=1)
-    for step in (1, 2, 3, 4):
+    for step in (1, 2):
+        first.write(_step(step))
+    first.write({"event": "checkpoint", "step": 2, "bytes": 10})
+    first.write({"event": "eval", "step": 2, "accuracy": 0.5})  # the killed attempt's, after its checkpoint
+    for step in (3, 4):
         first.write(_step(step))
     first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as log:
+        log.write('{"event": "step", "st')  # killed mid-line
     resumed = MetricsLog(tmp_path, append=True, tensorboard=True, next_step=3)
     for step in (3, 4):
         resumed.write(_step(step, loss=10.0 + step))
     resumed.close()
     assert event_scalars(tmp_path / "tensorboard", "train/loss") == [(1, 2.0), (2, 1.0), (3, 13.0), (4, 14.0)]
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6  # the JSON log keeps both attempts
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"], r.get("loss")) for r in records] == [
+        ("step", 1, 2.0), ("step", 2, 1.0), ("checkpoint", 2, None), ("step", 3, 13.0), ("step", 4, 14.0)]
+
+
+def test_truncating_a_log_without_checkpoint_records_keeps_the_steps_up_to_it(tmp_path: Path) -> None:
+    """The per-rank sample logs have no checkpoint records: the first record of a later step is where they are cut."""
+    path = tmp_path / "samples-rank0.jsonl"
+    path.write_text("".join(json.dumps({"epoch": 0, "step": s, "indices": [s]}) + "\n" for s in (1, 2, 3, 2)))
+    truncate_log(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    truncate_log(tmp_path / "missing.jsonl", 2)  # nothing logged yet: nothing to do
+    assert not (tmp_path / "missing.jsonl").exists()
 
 
 def test_without_tensorboard_only_the_json_log_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

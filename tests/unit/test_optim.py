@@ -76,3 +76,12 @@ def test_set_lr_applies_each_parameters_scale(optimizer: str) -> None:
         for p, p0 in zip(block.parameters(), start, strict=True):
             # SGD moves lr * grad; AdamW's first step moves lr * m / (sqrt(v) + eps) = lr (to eps) for grad 1.
             torch.testing.assert_close(p0 - p.detach(), torch.full_like(p0, BASE_LR * scale), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])
+def test_schedule_in_samples_equals_the_step_schedule_for_equal_batches(schedule: str) -> None:
+    """The trainer counts the schedule in samples (the batch may grow with the width); with a fixed batch it is
+    the step schedule."""
+    config, batch = _config(lr_schedule=schedule), 32
+    for step in range(TOTAL_STEPS):
+        assert lr_at(step * batch, TOTAL_STEPS * batch, config, batch) == pytest.approx(lr_at(step, TOTAL_STEPS, config))

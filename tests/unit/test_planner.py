@@ -9,7 +9,7 @@ import pytest
 from pipetransformer.config import load_config
 from pipetransformer.pipe.cost import BlockCost
 from pipetransformer.pipe.partition import PartitionError
-from pipetransformer.pipe.planner import plan_layout
+from pipetransformer.pipe.planner import plan_layout, step_micro_batches
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
 BATCH = 32
@@ -38,3 +38,25 @@ def test_1f1b_with_fixed_micro_batches_fits_a_pipeline_where_whole_batches_do_no
 def test_gpipe_or_an_unchosen_count_is_checked_for_the_whole_batch(schedule: str, micro_batches: str) -> None:
     with pytest.raises(PartitionError, match="too small"):
         _plan(schedule, micro_batches)
+
+
+@pytest.mark.parametrize("micro_batches", ["1", "auto"])
+def test_1f1b_plans_at_least_one_micro_batch_per_stage(micro_batches: str) -> None:
+    """Torch's 1F1B refuses fewer micro-batches than stages; a fixed 1, or auto on a prime replica batch (31, no
+    divisor from 2 to 8), must not plan that."""
+    config = load_config(CONFIG, ["train.batch_size=31", "pipe.enabled=true", "pipe.stages=2", "pipe.schedule=1f1b",
+                                  f"pipe.micro_batches={micro_batches}"])
+    plan = plan_layout(config, COSTS, 2, frozen_blocks=0, cached_blocks=0)
+    assert plan.layout.num_stages == 2 and plan.micro_batches >= 2
+
+
+@pytest.mark.parametrize(("rows", "planned", "schedule", "expected"), [
+    (32, 8, "1f1b", (8, "1f1b")),    # the planned count when it divides
+    (30, 8, "1f1b", (6, "1f1b")),    # else the largest divisor up to it
+    (13, 8, "1f1b", (13, "1f1b")),   # a prime tail: smaller micro-batches, never fewer than the stages
+    (1, 8, "1f1b", (1, "gpipe")),    # fewer samples than stages: GPipe for this step
+    (13, 8, "gpipe", (1, "gpipe")),  # GPipe runs any count
+])
+def test_each_step_gets_equal_micro_batches_its_schedule_accepts(rows: int, planned: int, schedule: str,
+                                                                  expected: tuple[int, str]) -> None:
+    assert step_micro_batches(rows, planned, stages=2, schedule=schedule) == expected

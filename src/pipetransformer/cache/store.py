@@ -15,9 +15,15 @@ Lifecycle (the distributed trainer puts a barrier between the steps)::
     store.unlink_names()                   # leader, once all have attached: nothing is left behind,
                                            # even on SIGKILL, because the mappings outlive the names
 
-Concurrency: data-parallel workers write disjoint sample indices. A write marks the record empty,
-writes the payload, then its boundary; a read checks the boundary before and after the copy and
-serves the record only if it did not change, so a record being rewritten is a miss, not torn data.
+Concurrency: data-parallel workers write disjoint sample indices. Each record has a sequence number
+(a seqlock): a write makes it odd, marks the record empty, writes the payload and its boundary, then
+makes it even again; a read serves a record only if its sequence number was even and unchanged across
+the copy (and its boundary set), so a record being rewritten is a miss, never torn data, even when the
+rewrite is at the same boundary.
+
+Files are named ``<FILE_PREFIX><pid>-<start time>-<random>``: a leader killed between creating them and
+unlinking their names leaves them behind, and the next leader on the node removes those whose creator
+is gone (:func:`remove_stale_files`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "StoreLayout",
     "StoreRead",
     "StoreStats",
+    "remove_stale_files",
     "spec_from_activation",
 ]
 
@@ -66,6 +73,11 @@ _MEMORY_SUFFIX = ".mem"
 _DISK_SUFFIX = ".disk"
 _BOUNDARY_DTYPE = torch.int32
 _CHECKSUM_DTYPE = torch.int64
+_SEQUENCE_DTYPE = torch.int64
+_PROC = Path("/proc")
+_START_TIME_FIELD = 22
+"""A process's start time (clock ticks since boot) is field 22 of ``/proc/<pid>/stat`` (man 5 proc)."""
+_FIELDS_UP_TO_COMMAND = 2  # pid and (command name), which may hold spaces
 
 
 def spec_from_activation(example: Activation, pad_to: int | None = None) -> ActivationSpec:
@@ -153,15 +165,61 @@ def _tensor_offsets(spec: ActivationSpec, capacity: int, start: int) -> tuple[li
     return offsets, offset
 
 
-def _header_offsets(num_samples: int) -> tuple[int, int, int]:
-    """Offsets of the boundary and checksum arrays in the memory file, and the header's end."""
+def _header_offsets(num_samples: int) -> tuple[int, int, int, int]:
+    """Offsets of the boundary, checksum and sequence-number arrays in the memory file, and the header's end."""
     boundary_offset = 0
     checksum_offset = _align(num_samples * _element_size(_BOUNDARY_DTYPE))
-    return boundary_offset, checksum_offset, checksum_offset + num_samples * _element_size(_CHECKSUM_DTYPE)
+    sequence_offset = _align(checksum_offset + num_samples * _element_size(_CHECKSUM_DTYPE))
+    return boundary_offset, checksum_offset, sequence_offset, sequence_offset + num_samples * _element_size(
+        _SEQUENCE_DTYPE)
 
 
 def _memory_file_bytes(num_samples: int, spec: ActivationSpec, records: int) -> int:
-    return _tensor_offsets(spec, records, _header_offsets(num_samples)[2])[1]
+    return _tensor_offsets(spec, records, _header_offsets(num_samples)[3])[1]
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if there is no such process."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[_START_TIME_FIELD - _FIELDS_UP_TO_COMMAND - 1]
+
+
+def _file_name_prefix() -> str:
+    """This process's files: its pid and start time, so a later run can tell whether their creator still runs."""
+    pid = os.getpid()
+    return f"{FILE_PREFIX}{pid}-{_start_time(pid)}-"
+
+
+def remove_stale_files(directory: str | Path) -> list[str]:
+    """Remove this user's store files in ``directory`` whose creator is no longer running (a leader killed
+    before it unlinked them); returns their paths. A pid now used by another process does not keep them:
+    the creator's start time must match too."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(FILE_PREFIX):
+            continue
+        pid, _, rest = entry.name.removeprefix(FILE_PREFIX).partition("-")
+        started = rest.partition("-")[0]
+        try:
+            if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if _start_time(int(pid)) == started:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.path)
+    if removed:
+        logger.warning("AutoCache: removed %d files of cache stores whose process died: %s", len(removed),
+                       ", ".join(removed))
+    return removed
 
 
 def _create_file(path: str, nbytes: int) -> None:
@@ -236,17 +294,21 @@ class ActivationStore:
         if layout.memory_path is None:
             self._boundary = torch.full((n,), EMPTY_BOUNDARY, dtype=_BOUNDARY_DTYPE)
             self._checksum = torch.zeros((n,), dtype=_CHECKSUM_DTYPE)
+            self._sequence = torch.zeros((n,), dtype=_SEQUENCE_DTYPE)
             self._memory = _Level(None, 0, 0, [], [], 0)
             self._disk = _Level(None, 0, 0, [], [], 0)
             return
         nbytes = _memory_file_bytes(n, layout.spec, layout.memory_records)
         buffer = _map(layout.memory_path, nbytes)
-        boundary_offset, checksum_offset, header_end = _header_offsets(n)
+        boundary_offset, checksum_offset, sequence_offset, header_end = _header_offsets(n)
         self._boundary = buffer[boundary_offset : boundary_offset + n * _element_size(_BOUNDARY_DTYPE)].view(
             _BOUNDARY_DTYPE
         )
         self._checksum = buffer[checksum_offset : checksum_offset + n * _element_size(_CHECKSUM_DTYPE)].view(
             _CHECKSUM_DTYPE
+        )
+        self._sequence = buffer[sequence_offset : sequence_offset + n * _element_size(_SEQUENCE_DTYPE)].view(
+            _SEQUENCE_DTYPE
         )
         offsets = _tensor_offsets(layout.spec, layout.memory_records, header_end)[0]
         self._memory = _Level(
@@ -287,13 +349,16 @@ class ActivationStore:
         """
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples}: the cache needs a dataset with at least one sample")
-        header = _header_offsets(num_samples)[2]
+        header = _header_offsets(num_samples)[3]
         if memory_bytes < header:
             raise ValueError(
                 f"cache memory_bytes={memory_bytes} cannot hold the index of {num_samples} samples; "
                 f"set it to at least {header}"
             )
-        name = FILE_PREFIX + secrets.token_hex(_NAME_TOKEN_BYTES)
+        for directory in (shm_dir, disk_dir):
+            if directory is not None:
+                remove_stale_files(directory)
+        name = _file_name_prefix() + secrets.token_hex(_NAME_TOKEN_BYTES)
         budget = min(memory_bytes, int(shutil.disk_usage(shm_dir).free * _SHM_FREE_FRACTION))
         memory_records = max(0, min(num_samples, (budget - header) // max(1, spec.bytes_per_sample)))
         while memory_records > 0 and _memory_file_bytes(num_samples, spec, memory_records) > budget:
@@ -358,6 +423,8 @@ class ActivationStore:
         self._memory = _Level(None, 0, 0, [], [], 0)
         self._disk = _Level(None, self._layout.memory_records, 0, [], [], 0)
         self._boundary = torch.full((self._layout.num_samples,), EMPTY_BOUNDARY, dtype=_BOUNDARY_DTYPE)
+        self._checksum = torch.zeros((self._layout.num_samples,), dtype=_CHECKSUM_DTYPE)
+        self._sequence = torch.zeros((self._layout.num_samples,), dtype=_SEQUENCE_DTYPE)
 
     def __enter__(self) -> ActivationStore:
         return self
@@ -386,9 +453,10 @@ class ActivationStore:
         return found
 
     def _record_checksum(self, level: _Level, slot: int) -> int:
+        """CRC32 of the record's raw bytes, whatever its dtypes (numpy knows no bfloat16)."""
         checksum = 0
         for region in level.tensors:
-            checksum = zlib.crc32(region[slot].numpy(), checksum)
+            checksum = zlib.crc32(region[slot].reshape(-1).view(torch.uint8).numpy(), checksum)
         return checksum
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
@@ -399,6 +467,7 @@ class ActivationStore:
         """Gather the records of ``indices``, cut to the first ``trim_to`` positions (text)."""
         idx = self._check_indices(indices)
         spec = self._layout.spec
+        sequence = self._sequence[idx]
         before = self._boundary[idx]
         tensors: list[torch.Tensor] = []
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
@@ -415,7 +484,8 @@ class ActivationStore:
                     if self._record_checksum(level, slot) != int(self._checksum[idx[row]]):
                         intact[row] = False
         after = self._boundary[idx]
-        served = (before != EMPTY_BOUNDARY) & (before == after) & intact
+        stable = (sequence % 2 == 0) & (self._sequence[idx] == sequence)
+        served = (before != EMPTY_BOUNDARY) & (before == after) & stable & intact
         corrupt = (~intact).nonzero().reshape(-1)
         if corrupt.numel():
             self._corrupt += corrupt.numel()
@@ -444,6 +514,7 @@ class ActivationStore:
         for _, rows, _ in levels:
             stored[rows] = True
         homed = idx[stored]
+        self._sequence[homed] += 1  # odd: being written
         self._boundary[homed] = EMPTY_BOUNDARY
         for level, rows, slots in levels:
             for value, region in zip(activation, level.tensors, strict=True):
@@ -454,6 +525,7 @@ class ActivationStore:
                 for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
                     self._checksum[idx[row]] = self._record_checksum(level, slot)
         self._boundary[homed] = boundary
+        self._sequence[homed] += 1  # even: stable
         self._writes += homed.numel()
         self._uncacheable_writes += idx.numel() - homed.numel()
         return stored

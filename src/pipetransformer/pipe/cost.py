@@ -3,6 +3,13 @@
 A block is measured once per *sample* (:class:`BlockCost`); its cost in a stage then depends on its
 state (trainable, frozen, or frozen with its output served from the cache) and on the micro-batch
 size. Everything here is plain arithmetic so the partitioner can be tested exhaustively without torch.
+
+Without a device to measure on, :func:`analytic_work` describes a block by its work per sample
+(FLOPs, bytes moved, parameters, saved activations: :class:`BlockWork`) and :func:`costs_from_work`
+turns that into a :class:`BlockCost` for a device's sustained FLOP/s and memory bandwidth and a
+precision. The two memory savers change a cost the same way for measured and analytic blocks: bf16
+(:func:`costs_from_work`) halves activations and messages and runs at the device's bf16 rate;
+recomputation (:func:`recomputed`) keeps only a block's input and pays one more forward in backward.
 """
 
 from __future__ import annotations
@@ -14,13 +21,19 @@ from enum import Enum
 
 __all__ = [
     "ADAMW_STATE_FACTOR",
+    "SGD_MOMENTUM_STATE_FACTOR",
     "BlockCost",
     "BlockState",
+    "BlockWork",
     "Link",
+    "Precision",
     "StageTiming",
     "analytic_costs",
+    "analytic_work",
     "block_memory",
     "block_seconds_per_sample",
+    "costs_from_work",
+    "recomputed",
     "stage_memory",
     "stage_time",
     "stage_timing",
@@ -31,7 +44,11 @@ __all__ = [
 ADAMW_STATE_FACTOR = 2
 """AdamW keeps two tensors (first and second moments) the size of the parameters."""
 
+SGD_MOMENTUM_STATE_FACTOR = 1
+"""SGD with momentum keeps one tensor (the momentum buffer) the size of the parameters."""
+
 FLOAT_BYTES = 4
+BF16_BYTES = 2
 MASK_ELEMENT_BYTES = 8
 """The attention mask travels as int64 beside the hidden states."""
 
@@ -57,6 +74,23 @@ SAVED_MLP_TENSORS_PER_LAYER = 2
 SAVED_ATTENTION_MAPS_PER_HEAD = 2
 """Attention probabilities and their dropout mask, each seq x seq per head."""
 
+MEMORY_PASSES_PER_SAVED_ELEMENT = 2
+"""Device-memory traffic of the memory-bound parts (norms, softmax, activation functions, dropout,
+residuals): each saved element is written once and read once in the forward. Matmuls are counted
+by their FLOPs only."""
+
+
+class Precision(Enum):
+    """Numeric format of activations and of the arithmetic; weights, gradients and optimizer state stay fp32
+    (mixed precision: bf16 autocast over fp32 master weights)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def activation_bytes(self) -> int:
+        return BF16_BYTES if self is Precision.BF16 else FLOAT_BYTES
+
 
 class BlockState(Enum):
     """How a block takes part in training; freezing and caching both grow from the bottom up."""
@@ -71,13 +105,36 @@ _STATE_ORDER = {BlockState.CACHED: 0, BlockState.FROZEN: 1, BlockState.ACTIVE: 2
 
 @dataclass(frozen=True)
 class BlockCost:
-    """One block's measured or estimated cost, per sample (see :func:`analytic_costs`)."""
+    """One block's measured or estimated cost, per sample (see :func:`analytic_costs`).
+
+    ``recompute_bytes`` is non-zero only for a recomputed block (:func:`recomputed`): the activations it
+    rebuilds during its backward, held for one micro-batch at a time on top of what the stage keeps.
+    """
 
     forward_s: float
     backward_s: float
     output_bytes: int
     param_bytes: int
     activation_bytes: int
+    recompute_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """One block's work per sample, independent of any device (see :func:`analytic_work`).
+
+    Activations are counted in elements so a precision can size them; parameters stay fp32.
+    """
+
+    forward_flops: float
+    memory_elements: float  # elements the memory-bound parts of the forward read and write
+    params: int
+    saved_elements: int  # float elements kept for backward
+    output_elements: int  # float elements sent to the next block
+    output_extra_bytes: int = 0  # non-float bytes beside them (the int64 attention mask)
+
+    def output_bytes(self, precision: Precision) -> int:
+        return self.output_elements * precision.activation_bytes + self.output_extra_bytes
 
 
 @dataclass(frozen=True)
@@ -209,7 +266,10 @@ def stage_memory(
     optimizer_state_factor: int = ADAMW_STATE_FACTOR,
     in_flight_micro_batches: int = 1,
 ) -> int:
-    return sum(
+    """The blocks' memory (:func:`block_memory`) plus the largest activations one recomputed block
+    rebuilds for one micro-batch in its backward (they are freed before the next block's backward)."""
+    rebuilt = max((costs[i].recompute_bytes for i in range(start, end) if states[i] is BlockState.ACTIVE), default=0)
+    return rebuilt * micro_batch_size + sum(
         block_memory(
             costs[i],
             states[i],
@@ -219,6 +279,114 @@ def stage_memory(
         )
         for i in range(start, end)
     )
+
+
+def recomputed(cost: BlockCost, input_bytes: int) -> BlockCost:
+    """``cost`` with activation checkpointing: backward first re-runs the forward, and between forward
+    and backward only the block's input (``input_bytes`` per sample, the previous block's output) is kept.
+    """
+    if cost.recompute_bytes:
+        return cost
+    return BlockCost(
+        forward_s=cost.forward_s,
+        backward_s=cost.backward_s + cost.forward_s,
+        output_bytes=cost.output_bytes,
+        param_bytes=cost.param_bytes,
+        activation_bytes=input_bytes,
+        recompute_bytes=cost.activation_bytes,
+    )
+
+
+def costs_from_work(
+    work: Sequence[BlockWork],
+    *,
+    flops_per_second: float,
+    memory_bytes_per_second: float = math.inf,
+    precision: Precision = Precision.FP32,
+) -> list[BlockCost]:
+    """Per-sample costs of ``work`` on a device: FLOPs at ``flops_per_second`` (the sustained rate of
+    ``precision``'s arithmetic) plus the memory-bound traffic at ``memory_bytes_per_second``; backward
+    does :data:`BACKWARD_TO_FORWARD_FLOPS` times the forward's work.
+    """
+    if not flops_per_second > 0 or not memory_bytes_per_second > 0:
+        raise ValueError(
+            f"flops_per_second and memory_bytes_per_second must be > 0, got {flops_per_second} and "
+            f"{memory_bytes_per_second}"
+        )
+    element = precision.activation_bytes
+    costs = []
+    for block in work:
+        forward_s = block.forward_flops / flops_per_second + block.memory_elements * element / memory_bytes_per_second
+        costs.append(BlockCost(
+            forward_s=forward_s,
+            backward_s=forward_s * BACKWARD_TO_FORWARD_FLOPS,
+            output_bytes=block.output_bytes(precision),
+            param_bytes=block.params * FLOAT_BYTES,
+            activation_bytes=block.saved_elements * element,
+        ))
+    return costs
+
+
+def analytic_work(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    seq_len: int,
+    num_heads: int,
+    vocab_size: int,
+    num_classes: int,
+    mlp_ratio: float = 4.0,
+    embedding_is_lookup: bool = True,
+    carries_attention_mask: bool = True,
+) -> list[BlockWork]:
+    """Work per sample of ``embeddings, layer_0..layer_{L-1}, head`` of a standard encoder.
+
+    ``vocab_size`` is the embedding's input width: the token vocabulary of a text model
+    (``embedding_is_lookup=True``: a table lookup, nearly free) or the flattened patch size of a ViT
+    (``False``: a matmul). ``num_classes`` is the head's output width.
+    """
+    if min(num_layers, hidden_size, seq_len, num_heads, vocab_size, num_classes) <= 0 or mlp_ratio <= 0:
+        raise ValueError("analytic_work needs positive layer dimensions")
+    d, t = hidden_size, seq_len
+    mlp_width = math.ceil(mlp_ratio * d)
+    mask_bytes = t * MASK_ELEMENT_BYTES if carries_attention_mask else 0
+    elementwise_flops = ELEMENTWISE_FLOPS_PER_FEATURE * t * d
+
+    def block(forward_flops: float, params: int, saved: int, out_elements: int, out_extra: int) -> BlockWork:
+        return BlockWork(
+            forward_flops=forward_flops,
+            memory_elements=MEMORY_PASSES_PER_SAVED_ELEMENT * saved,
+            params=params,
+            saved_elements=saved,
+            output_elements=out_elements,
+            output_extra_bytes=out_extra,
+        )
+
+    norm_params = PARAMS_PER_LAYER_NORM_FEATURE * d
+    embedding_params = (vocab_size + t) * d + d + norm_params
+    embedding_flops = elementwise_flops
+    if not embedding_is_lookup:
+        embedding_flops += FLOPS_PER_MULTIPLY_ADD * t * vocab_size * d
+    embeddings = block(embedding_flops, embedding_params, 2 * t * d, t * d, mask_bytes)
+
+    layer_params = (
+        ATTENTION_PROJECTIONS * (d * d + d)
+        + d * mlp_width + mlp_width + mlp_width * d + d
+        + LAYER_NORMS_PER_LAYER * norm_params
+    )
+    layer_matmul_flops = FLOPS_PER_MULTIPLY_ADD * t * (ATTENTION_PROJECTIONS * d * d + MLP_MATRICES * d * mlp_width)
+    attention_flops = 2 * FLOPS_PER_MULTIPLY_ADD * t * t * d
+    layer_saved = (
+        SAVED_HIDDEN_TENSORS_PER_LAYER * t * d
+        + SAVED_MLP_TENSORS_PER_LAYER * t * mlp_width
+        + SAVED_ATTENTION_MAPS_PER_HEAD * num_heads * t * t
+    )
+    layer = block(layer_matmul_flops + attention_flops + elementwise_flops, layer_params, layer_saved, t * d,
+                  mask_bytes)
+
+    head_flops = elementwise_flops + FLOPS_PER_MULTIPLY_ADD * d * num_classes
+    head = block(head_flops, d * num_classes + num_classes, t * d, num_classes, 0)
+    return [embeddings, *([layer] * num_layers), head]
 
 
 def analytic_costs(
@@ -234,52 +402,17 @@ def analytic_costs(
     embedding_is_lookup: bool = True,
     carries_attention_mask: bool = True,
 ) -> list[BlockCost]:
-    """Estimated costs of ``embeddings, layer_0..layer_{L-1}, head`` when profiling is off.
+    """Estimated fp32 costs of ``embeddings, layer_0..layer_{L-1}, head`` when profiling is off
+    (:func:`analytic_work` at ``flops_per_second``, memory traffic free).
 
-    ``vocab_size`` is the embedding's input width: the token vocabulary of a text model
-    (``embedding_is_lookup=True``: a table lookup, nearly free) or the flattened patch size of a ViT
-    (``False``: a matmul). Times assume every FLOP runs at ``flops_per_second``: only the ratios
-    between blocks matter to the partitioner, the absolute value only to the micro-batch choice.
+    Only the ratios between blocks matter to the partitioner, the absolute speed only to the
+    micro-batch choice.
     """
-    if min(num_layers, hidden_size, seq_len, num_heads, vocab_size, num_classes) <= 0 or flops_per_second <= 0:
-        raise ValueError("analytic_costs needs positive layer dimensions and flops_per_second")
-    d, t = hidden_size, seq_len
-    mlp_width = math.ceil(mlp_ratio * d)
-    hidden_bytes = t * d * FLOAT_BYTES
-    output_bytes = hidden_bytes + (t * MASK_ELEMENT_BYTES if carries_attention_mask else 0)
-    elementwise_flops = ELEMENTWISE_FLOPS_PER_FEATURE * t * d
-
-    def block(forward_flops: float, params: int, saved_elements: int, out_bytes: int) -> BlockCost:
-        forward_s = forward_flops / flops_per_second
-        return BlockCost(
-            forward_s=forward_s,
-            backward_s=forward_s * BACKWARD_TO_FORWARD_FLOPS,
-            output_bytes=out_bytes,
-            param_bytes=params * FLOAT_BYTES,
-            activation_bytes=saved_elements * FLOAT_BYTES,
-        )
-
-    norm_params = PARAMS_PER_LAYER_NORM_FEATURE * d
-    embedding_params = (vocab_size + t) * d + d + norm_params
-    embedding_flops = elementwise_flops
-    if not embedding_is_lookup:
-        embedding_flops += FLOPS_PER_MULTIPLY_ADD * t * vocab_size * d
-    embeddings = block(embedding_flops, embedding_params, 2 * t * d, output_bytes)
-
-    layer_params = (
-        ATTENTION_PROJECTIONS * (d * d + d)
-        + d * mlp_width + mlp_width + mlp_width * d + d
-        + LAYER_NORMS_PER_LAYER * norm_params
+    if flops_per_second <= 0:
+        raise ValueError(f"analytic_costs needs flops_per_second > 0, got {flops_per_second}")
+    work = analytic_work(
+        num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len, num_heads=num_heads,
+        vocab_size=vocab_size, num_classes=num_classes, mlp_ratio=mlp_ratio,
+        embedding_is_lookup=embedding_is_lookup, carries_attention_mask=carries_attention_mask,
     )
-    layer_matmul_flops = FLOPS_PER_MULTIPLY_ADD * t * (ATTENTION_PROJECTIONS * d * d + MLP_MATRICES * d * mlp_width)
-    attention_flops = 2 * FLOPS_PER_MULTIPLY_ADD * t * t * d
-    layer_saved = (
-        SAVED_HIDDEN_TENSORS_PER_LAYER * t * d
-        + SAVED_MLP_TENSORS_PER_LAYER * t * mlp_width
-        + SAVED_ATTENTION_MAPS_PER_HEAD * num_heads * t * t
-    )
-    layer = block(layer_matmul_flops + attention_flops + elementwise_flops, layer_params, layer_saved, output_bytes)
-
-    head_flops = elementwise_flops + FLOPS_PER_MULTIPLY_ADD * d * num_classes
-    head = block(head_flops, d * num_classes + num_classes, t * d, num_classes * FLOAT_BYTES)
-    return [embeddings, *([layer] * num_layers), head]
+    return costs_from_work(work, flops_per_second=flops_per_second)

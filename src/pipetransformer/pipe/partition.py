@@ -43,7 +43,14 @@ GIB = 1024**3
 
 
 class PartitionError(ValueError):
-    """No partition satisfies the request; the message says what to change."""
+    """No partition satisfies the request; the message says what to change.
+
+    ``needed_bytes``: when memory was the obstacle, the smallest per-device memory any split needs.
+    """
+
+    def __init__(self, message: str, needed_bytes: float | None = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,8 @@ def partition(
         raise PartitionError(
             f"no split of blocks {first}..{last - 1} into {num_stages} stages fits memory_budget_bytes="
             f"{memory_budget_bytes}; it needs at least {int(needed)} bytes ({needed / GIB:.2f} GiB): raise the budget, "
-            f"use more stages, a smaller micro-batch, or freeze/cache more blocks"
+            f"use more stages, a smaller micro-batch, or freeze/cache more blocks",
+            needed_bytes=needed,
         )
     bounds = list(zip(starts, [*starts[1:], last], strict=True))
     return Partition(

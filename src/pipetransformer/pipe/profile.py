@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation
-from pipetransformer.pipe.cost import BlockCost, analytic_costs
+from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
-__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "estimate_block_costs", "profile_blocks"]
+__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "analytic_block_work", "estimate_block_costs", "profile_blocks"]
 
 _T = TypeVar("_T")
 
@@ -140,18 +140,24 @@ ANALYTIC_FLOPS_PER_SECOND = 2e10
 """Assumed device speed for the analytical cost model; only the ratios between blocks matter to the partition."""
 
 
-def estimate_block_costs(model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, num_classes: int,
-                         measure: bool) -> list[BlockCost]:
-    """Per-block costs: measured by :func:`profile_blocks`, or (``measure=False``) from the layer dimensions."""
-    if measure:
-        return profile_blocks(model, example_inputs)
+def analytic_block_work(model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *,
+                        num_classes: int) -> list[BlockWork]:
+    """Per-block work of ``model`` from its layer dimensions (read off one embeddings forward)."""
     text = model.task == "text"
     with torch.no_grad():
         hidden = as_activation(model.blocks[0](*example_inputs))[0]
     seq_len, dim = hidden.shape[1], hidden.shape[2]
     heads = getattr(getattr(model.blocks[1], "config", None), "num_attention_heads", None) or 1
     width = example_inputs[0].shape[1] if text else example_inputs[0][0].numel() // seq_len
-    return analytic_costs(num_layers=model.num_layers, hidden_size=dim, seq_len=seq_len, num_heads=heads,
-                          vocab_size=max(1, width), num_classes=num_classes,
-                          flops_per_second=ANALYTIC_FLOPS_PER_SECOND, embedding_is_lookup=text,
-                          carries_attention_mask=text)
+    return analytic_work(num_layers=model.num_layers, hidden_size=dim, seq_len=seq_len, num_heads=heads,
+                         vocab_size=max(1, width), num_classes=num_classes, embedding_is_lookup=text,
+                         carries_attention_mask=text)
+
+
+def estimate_block_costs(model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, num_classes: int,
+                         measure: bool) -> list[BlockCost]:
+    """Per-block costs: measured by :func:`profile_blocks`, or (``measure=False``) from the layer dimensions."""
+    if measure:
+        return profile_blocks(model, example_inputs)
+    work = analytic_block_work(model, example_inputs, num_classes=num_classes)
+    return costs_from_work(work, flops_per_second=ANALYTIC_FLOPS_PER_SECOND)

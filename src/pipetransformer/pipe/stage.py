@@ -16,9 +16,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..models.blocks import Activation, run_blocks
 
-__all__ = ["StageModule", "PipelineRunner"]
+__all__ = ["SCHEDULES", "StageModule", "PipelineRunner"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+"""``pipe.schedule`` values; a step may run GPipe under 1F1B (see ``pipe.planner.step_micro_batches``)."""
 
 
 class StageModule(nn.Module):
@@ -43,32 +45,33 @@ class PipelineRunner:
     """Runs one training step of this rank's stage under a GPipe or 1F1B schedule."""
 
     def __init__(self, module: StageModule, stage_index: int, num_stages: int, device: torch.device,
-                 group: dist.ProcessGroup, schedule: str, loss_fn: LossFn) -> None:
+                 group: dist.ProcessGroup, loss_fn: LossFn) -> None:
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = device
         self.group = group
-        self.schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self.loss_fn = loss_fn
-        self._schedules: dict[tuple[int, ...], object] = {}
+        self._schedules: dict[tuple[object, ...], object] = {}
 
-    def _schedule(self, shape_key: tuple[int, ...], micro_batches: int) -> object:
-        key = (*shape_key, micro_batches)
+    def _schedule(self, shape_key: tuple[int, ...], micro_batches: int, schedule: str) -> object:
+        key = (*shape_key, micro_batches, schedule)
         if key not in self._schedules:
             stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
             # Losses are sums scaled by the global batch, so micro-batch gradients must simply add up.
-            self._schedules[key] = self.schedule_cls(stage, micro_batches, loss_fn=self.loss_fn, scale_grads=False)
+            self._schedules[key] = SCHEDULES[schedule](stage, micro_batches, loss_fn=self.loss_fn, scale_grads=False)
         return self._schedules[key]
 
-    def step(self, shape_key: tuple[int, ...], micro_batches: int, inputs: Activation | None,
+    def step(self, shape_key: tuple[int, ...], micro_batches: int, schedule: str, inputs: Activation | None,
              target: torch.Tensor | None) -> list[torch.Tensor]:
-        """Forward + backward of all micro-batches. Returns the per-micro-batch losses (last stage only).
+        """Forward + backward of all micro-batches under ``schedule`` (gpipe / 1f1b). Returns the
+        per-micro-batch losses (last stage only).
 
-        ``shape_key`` must be equal on every stage of the pipeline for the same step (e.g. the batch's
-        row count and sequence length), since it selects the stage's fixed-shape buffers.
+        ``shape_key``, ``micro_batches`` and ``schedule`` must be equal on every stage of the pipeline for the
+        same step (``shape_key``: e.g. the batch's row count and sequence length), since they select the
+        stage's fixed-shape buffers and the order of its sends and receives.
         """
-        schedule = self._schedule(shape_key, micro_batches)
+        runner = self._schedule(shape_key, micro_batches, schedule)
         losses: list[torch.Tensor] = []
         is_first = self.stage_index == 0
         is_last = self.stage_index == self.num_stages - 1
@@ -76,5 +79,5 @@ class PipelineRunner:
         kwargs: dict[str, object] = {}
         if is_last:
             kwargs = {"target": target, "losses": losses}
-        schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+        runner.step(*args, **kwargs)  # type: ignore[attr-defined]
         return losses
