@@ -179,10 +179,10 @@ def _timeline(config: Config, request: ClusterPlanRequest, num_layers: int, epoc
         return read_timeline(Path(request.freeze))
     every = request.freeze_every
     if every is None:
-        if config.freeze.interval_unit != "epochs":
+        if config.freeze.interval_unit == "steps":
             raise ConfigError("freeze.interval_unit is steps, which the planner cannot place in epochs: "
                               "give --freeze-every EPOCHS")
-        every = float(config.freeze.interval)
+        every = float(config.freeze.interval) * (epochs if config.freeze.interval_unit == "fraction" else 1.0)
     return geometric_timeline(num_layers, alpha=config.freeze.alpha, max_fraction=config.freeze.max_fraction,
                               epochs=epochs, every_epochs=every)
 
