@@ -473,7 +473,8 @@ class Trainer:
             control.layer_grad_sq[:] = blocks[1:layers + 1]
             control.total_grad_sq[0] = blocks.sum()
             if self.previous_grads is not None:
-                dots, valid = self.previous_grads.block_dots(self.model, range(*held.blocks))
+                start, end = held.blocks  # layer blocks only: the policy reads no embeddings or head dots
+                dots, valid = self.previous_grads.block_dots(self.model, range(max(start, 1), min(end, layers + 1)))
                 control.layer_grad_dots[:] = dots[1:layers + 1]
                 control.layer_dot_valid[:] = valid[1:layers + 1]
         if held.stage is not None and held.stage == held.plan.layout.num_stages - 1:

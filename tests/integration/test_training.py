@@ -22,8 +22,8 @@ TEXT = "tiny_text.yaml"
 SAVE = ("run.save_model=true", "run.record_samples=true")
 
 
-GRADIENT_FREEZE = ("freeze.enabled=true", "freeze.policy=gradient", "freeze.interval=2", "freeze.interval_unit=steps",
-                   "freeze.alpha=0.5")
+GRADIENT_FREEZE = ("freeze.enabled=true", "freeze.policy=gradient", "freeze.interval=1", "freeze.interval_unit=steps",
+                   "freeze.alpha=0.5")  # one-step windows: the 8-step run freezes (at steps 2, 6, 7)
 
 
 def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
