@@ -15,7 +15,7 @@ from pipetransformer.config import load_config
 from pipetransformer.freeze import make_policy
 from pipetransformer.models import build_model
 from pipetransformer.pipe import BlockState, Link, partition, profile_blocks
-from pipetransformer.trainer import train
+from pipetransformer.train import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_vit.yaml"
 TINY_BERT = {"model_type": "bert", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4,

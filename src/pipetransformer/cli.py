@@ -26,7 +26,7 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config
+from pipetransformer.config import Config, ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -108,7 +108,7 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def _check_stage_count(stages: int, world_size: int) -> None:
-    from .pipe.layout import valid_stage_counts  # imports torch: not needed for mistakes in the config itself
+    from pipetransformer.pipe.layout import valid_stage_counts  # imports torch: not for mistakes in the config itself
 
     allowed = valid_stage_counts(world_size)
     if stages not in allowed:
@@ -148,7 +148,8 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
         "--local-addr", LOOPBACK, "--module", "pipetransformer.cli", "train", args.config,
         *[item for override in overrides for item in ("--set", override)],
     ])
-    # Restarted workers hang in rendezvous when they share the agent's TCP store (FINDINGS, scale-up).
+    # Workers restarted by torchrun (and agents joining later) hang in rendezvous when they share the agent's
+    # TCP store; a store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) lets them join.
     os.environ.setdefault(SHARED_STORE_ENV, "1")
     with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
@@ -190,7 +191,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
     if args.nproc_per_node > 1 and not _under_torchrun():
         return _launch_local(args, overrides)
-    from .trainer import train
+    from pipetransformer.train import train
     config = load_config(args.config, overrides)
     summary = train(config)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -205,7 +206,7 @@ PLAN_DEFAULTS = ["freeze.enabled=true", "pipe.enabled=true", "dp.enabled=true", 
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planning import ClusterPlanRequest, cluster_plan_command, plan_command
+    from pipetransformer.planning import ClusterPlanRequest, cluster_plan_command, plan_command
     if args.cluster is None or args.cluster == "local" or args.model is None:
         if args.config is None:
             raise ConfigError("plan needs a config (or --cluster PRESET|FILE with --model NAME|CONFIG)")
@@ -224,15 +225,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from pipetransformer.report import write_report
     out = write_report([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None)
     print(f"report written to {out}")
     return 0
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .freeze.policies import policy_from_settings
-    from .freeze.replay import read_logged_steps, replay
+    from pipetransformer.freeze.policies import policy_from_settings
+    from pipetransformer.freeze.replay import read_logged_steps, replay
     run_dir = Path(args.run_dir)
     steps = read_logged_steps(run_dir / "metrics.jsonl")
     config = load_config(args.config or run_dir / "config.yaml", args.overrides)
@@ -267,10 +268,10 @@ def _pretrain(args: argparse.Namespace) -> int:
     _check_before_launch(config, world_size=1)
     import torch
 
-    from .data import datasets_from_config
-    from .models import build_model
-    from .models.pretrain import masked_patch_pretrain
-    from .models.vit import save_vit_backbone
+    from pipetransformer.data import datasets_from_config
+    from pipetransformer.models import build_model
+    from pipetransformer.models.pretrain import masked_patch_pretrain
+    from pipetransformer.models.vit import save_vit_backbone
     torch.manual_seed(config.seed)
     train_set = datasets_from_config(config.data, tokenizer=None).train  # no validation or test images
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
@@ -290,16 +291,16 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change: shown as one line, without a traceback."""
-    from .checkpoint import CheckpointError
-    from .data.batch import DatasetUnavailableError
-    from .freeze.replay import ReplayError
-    from .models.blocks import BlockSplitError
-    from .pipe.cluster import ClusterError
-    from .pipe.layout import LayoutError
-    from .pipe.model_spec import ModelSpecError
-    from .pipe.partition import PartitionError
-    from .pipe.runplan import TimelineError
-    from .trainer import TrainingDivergedError
+    from pipetransformer.checkpoint import CheckpointError
+    from pipetransformer.data.batch import DatasetUnavailableError
+    from pipetransformer.freeze.replay import ReplayError
+    from pipetransformer.models.blocks import BlockSplitError
+    from pipetransformer.pipe.cluster import ClusterError
+    from pipetransformer.pipe.layout import LayoutError
+    from pipetransformer.pipe.model_spec import ModelSpecError
+    from pipetransformer.pipe.partition import PartitionError
+    from pipetransformer.pipe.runplan import TimelineError
+    from pipetransformer.train import TrainingDivergedError
     return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,
             PartitionError, ReplayError, ClusterError, ModelSpecError, TimelineError, FileNotFoundError)
 

@@ -19,7 +19,13 @@ import yaml
 
 from pipetransformer.freeze.policies import UNWINDOWED
 
-__all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
+__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "Config", "ConfigError", "load_config", "apply_overrides",
+           "config_from_dict", "config_to_dict"]
+
+BYTES_PER_GB = 1e9
+"""The ``*_gb`` settings are decimal gigabytes."""
+BYTES_PER_MIB = 2**20
+"""``dp.bucket_mib`` is in binary mebibytes, as DDP's ``bucket_cap_mb``."""
 
 
 class ConfigError(ValueError):
@@ -139,6 +145,7 @@ class PipeConfig:
 class DPConfig:
     enabled: bool = False  # elastic: workers freed by pipeline compression become new replicas
     batch_policy: Literal["keep_global", "keep_per_pipeline"] = "keep_global"  # keep_per_pipeline: global batch and lr grow with the width (linear scaling)
+    bucket_mib: float = 25.0  # gradients are all-reduced over a stage's replicas in buckets of this size (DDP's default)
 
 
 @dataclass
@@ -201,6 +208,7 @@ class Config:
             "train.lr": self.train.lr,
             "dist.timeout_s": self.dist.timeout_s,
             "pipe.link_bandwidth_gbps": self.pipe.link_bandwidth_gbps,
+            "dp.bucket_mib": self.dp.bucket_mib,
         }.items():
             if number <= 0:
                 raise ConfigError(f"{key} must be > 0, got {number}")

@@ -11,10 +11,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import DistConfig
+from pipetransformer.config import DistConfig
 
 __all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
-           "new_groups", "raise_together"]
+           "broadcast_from_local_leader", "new_groups", "raise_together"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,18 @@ def broadcast_string(value: str, src: int = 0) -> str:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(data, src=src)
     return bytes(data.tolist()).decode()
+
+
+def broadcast_from_local_leader(env: DistEnv, value: str) -> str:
+    """The string of this node's local leader (local rank 0), on every rank of the node: each node's leader
+    broadcasts its own in turn, so what is per node (a shared-memory file's name) reaches that node's ranks
+    (every rank must call)."""
+    if not env.distributed:
+        return value
+    node_leader = env.rank - env.local_rank
+    values = [broadcast_string(value if env.rank == leader else "", src=leader)
+              for leader in range(0, env.world_size, env.local_world_size)]
+    return values[node_leader // env.local_world_size]
 
 
 def raise_together(message: str, error: type[Exception]) -> None:

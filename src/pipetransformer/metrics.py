@@ -1,7 +1,7 @@
 """Per-step timing breakdown and the run directory's metrics: JSON files and TensorBoard event files.
 
-The breakdown follows the design notes' logs: data loading, forward, backward, all-reduce, optimizer,
-samples/s. Under a pipeline schedule forward and backward interleave, so they are reported together as
+The breakdown says where a step's time goes: data loading, forward, backward, all-reduce, control,
+optimizer, samples/s. Under a pipeline schedule forward and backward interleave, so they are reported together as
 ``forward_backward_s``.
 """
 

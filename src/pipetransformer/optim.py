@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .config import TrainConfig
+from pipetransformer.config import TrainConfig
 
 __all__ = ["build_optimizer", "layer_lr_scales", "lr_at", "set_lr"]
 

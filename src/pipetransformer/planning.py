@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
-from .pipe.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
-from .pipe.cost import (
+from pipetransformer.config import BYTES_PER_GB, Config, ConfigError
+from pipetransformer.pipe.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
     SGD_MOMENTUM_STATE_FACTOR,
@@ -29,21 +29,20 @@ from .pipe.cost import (
     BlockWork,
     Precision,
 )
-from .pipe.levers import Candidate, LeverSettings
-from .pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
-from .pipe.partition import GIB, bubble_fraction, predict_step_time
-from .pipe.planner import BYTES_PER_GB, PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
-from .pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
+from pipetransformer.pipe.levers import Candidate, LeverSettings
+from pipetransformer.pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
+from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_time
+from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
+from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
 __all__ = ["ClusterPlanRequest", "cluster_plan_command", "cluster_run_plan", "plan_command", "plan_report"]
-
-PROFILE_BATCH = 8
 
 
 def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
     """The config's model (blocks), one example batch, and its class count: what profiling runs on."""
-    from .data import datasets_from_config
-    from .models import build_model, load_tokenizer, minilm_path
+    from pipetransformer.data import datasets_from_config
+    from pipetransformer.models import build_model, load_tokenizer, minilm_path
+    from pipetransformer.pipe.profile import PROFILE_BATCH
 
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     train = datasets_from_config(replace(config.data, max_train_samples=PROFILE_BATCH), tokenizer).train
@@ -57,7 +56,7 @@ def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
 
 
 def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
-    from .pipe.profile import estimate_block_costs
+    from pipetransformer.pipe.profile import estimate_block_costs
 
     model, inputs, num_classes = _model_and_batch(config)
     costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
@@ -66,7 +65,7 @@ def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
 
 def _profiled(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
     """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model."""
-    from .pipe.profile import analytic_block_work, estimate_block_costs
+    from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
     model, inputs, num_classes = _model_and_batch(config)
     costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
@@ -75,7 +74,8 @@ def _profiled(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[st
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],
                 frozen_blocks: int = 0, cached_blocks: int = 0) -> dict[str, Any]:
-    plan = plan_layout(config, costs, world_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks)
+    plan = plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
+                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks)
     per_replica = max(1, config.train.batch_size // plan.layout.dp_width)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     return {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from pipetransformer.cache.prefix import FrozenPrefixCache
-from pipetransformer.cache.store import DEFAULT_SHM_DIR, EMPTY_BOUNDARY, FILE_PREFIX, ActivationStore
+from pipetransformer.cache.store import DEFAULT_SHM_DIR, FILE_PREFIX, ActivationStore
 from pipetransformer.models.blocks import Activation, ActivationSpec, BlockSequence
 
 NUM_SAMPLES = 12
@@ -249,24 +248,6 @@ def test_corrupt_disk_record_is_recomputed(tmp_path: Path) -> None:
         assert metrics.corrupt == 1 and metrics.hits == BATCH - 1
         assert disk_store.lookup(torch.tensor([9])).tolist() == [boundary]
         assert disk_store.read(torch.tensor([9])).served.all()
-
-
-def test_augmented_inputs_bypass_the_cache_with_one_warning(
-    store: ActivationStore, caplog: pytest.LogCaptureFixture
-) -> None:
-    model = _text_model()
-    boundary = 2
-    _freeze(model, boundary)
-    cache = FrozenPrefixCache(store, inputs_are_deterministic=False)
-    indices = [0, 1, 2, 3]
-    inputs = _text_batch(indices)
-    with caplog.at_level(logging.WARNING):
-        for _ in range(2):
-            served = cache.activation_at_boundary(model, inputs, torch.tensor(indices), boundary)
-            _assert_equal(served, _plain(model, inputs, boundary))
-    assert sum("bypassed" in r.getMessage() for r in caplog.records) == 1
-    assert store.lookup(torch.tensor(indices)).tolist() == [EMPTY_BOUNDARY] * BATCH
-    assert cache.metrics().bypassed == 2 * BATCH
 
 
 def test_unfrozen_block_is_refused(store: ActivationStore) -> None:

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetransformer.control import ControlVector
-from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks, is_pinned_eval, layer_grad_sq_norms
+from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, freeze_blocks
 from pipetransformer.freeze.policies import frozen_blocks
 from pipetransformer.models.blocks import BlockSequence
 
@@ -132,7 +131,6 @@ def test_frozen_blocks_stay_in_eval_mode_after_model_train() -> None:
     for index, block in enumerate(model.blocks):
         expected_training = index not in FROZEN
         assert all(m.training == expected_training for m in block.modules()), index
-        assert is_pinned_eval(block) == (index in FROZEN)
     inputs, _ = batch(0)
     assert torch.equal(model.forward_range((inputs,), 0, 2)[0], model.forward_range((inputs,), 0, 2)[0])
     assert not torch.equal(model.forward_range((inputs,), 0, 3)[0], model.forward_range((inputs,), 0, 3)[0])
@@ -162,7 +160,7 @@ def test_freezing_again_counts_nothing_and_the_head_never_freezes() -> None:
         freeze_blocks(model, {NUM_LAYERS + 1}, None)
 
 
-def test_layer_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent() -> None:
+def test_block_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent() -> None:
     model = tiny_model()
     inputs, labels = batch(0)
     nn.functional.cross_entropy(model(inputs), labels).backward()
@@ -170,14 +168,14 @@ def test_layer_grad_sq_norms_sums_squares_per_layer_and_skips_frozen_or_absent()
         sum(float((p.grad.double() ** 2).sum()) for p in model.blocks[layer + 1].parameters())
         for layer in range(NUM_LAYERS)
     ]
-    norms = layer_grad_sq_norms(model)
+    norms = block_grad_sq_norms(model)[1:-1]  # the layers' blocks
     # Per-tensor norms in float32 (as clip_grad_norm_), summed in float64: float32 precision.
     assert norms.dtype == torch.float64 and norms.shape == (NUM_LAYERS,)
     assert norms.tolist() == pytest.approx(expected, rel=1e-5)
     assert all(value > 0 for value in expected)
     freeze_blocks(model, frozen_blocks({0}, NUM_LAYERS), None)
     model.blocks[3].zero_grad(set_to_none=True)
-    assert layer_grad_sq_norms(model).tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-5)
+    assert block_grad_sq_norms(model)[1:-1].tolist() == pytest.approx([0.0, expected[1], 0.0], rel=1e-5)
 
 
 def backward(model: BlockSequence, step: int) -> list[torch.Tensor]:
@@ -212,15 +210,3 @@ def test_previous_gradients_give_each_blocks_dot_with_the_last_step_and_forget_f
     backward(model, 4)
     dots, valid = history.block_dots(model, range(2, len(model)))
     assert valid.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]  # its previous gradient is two steps old: not valid
-
-
-def test_control_vector_sums_fields_and_reads_dot_products_only_where_valid() -> None:
-    control = ControlVector.zeros(3)
-    control.layer_grad_sq[:] = torch.tensor([4.0, 9.0, 16.0])
-    control.layer_grad_dots[:] = torch.tensor([1.5, 0.0, -2.0])
-    control.layer_dot_valid[:] = torch.tensor([1.0, 0.0, 1.0])
-    control.loss[0] = 0.25
-    reduced = control.all_reduce()  # one process: the sum is the vector itself
-    assert reduced.layer_grad_norms() == [2.0, 3.0, 4.0]
-    assert reduced.layer_dots() == [1.5, None, -2.0]
-    assert float(reduced.loss) == 0.25 and float(reduced.stop_requests) == 0.0

@@ -25,7 +25,8 @@ def _plan(schedule: str, micro_batches: str, frozen_blocks: int = 0) -> tuple[in
     config = load_config(CONFIG, [f"train.batch_size={BATCH}", "pipe.enabled=true", "dp.enabled=true",
                                   f"pipe.device_memory_gb={BUDGET_GB}", f"pipe.schedule={schedule}",
                                   f"pipe.micro_batches={micro_batches}"])
-    plan = plan_layout(config, COSTS, 2, frozen_blocks=frozen_blocks, cached_blocks=0)
+    plan = plan_layout(config.pipe, COSTS, 2, elastic=config.dp.enabled, batch_size=config.train.batch_size,
+                       frozen_blocks=frozen_blocks, cached_blocks=0)
     return plan.layout.num_stages, plan.layout.dp_width
 
 
@@ -46,7 +47,8 @@ def test_1f1b_plans_at_least_one_micro_batch_per_stage(micro_batches: str) -> No
     divisor from 2 to 8), must not plan that."""
     config = load_config(CONFIG, ["train.batch_size=31", "pipe.enabled=true", "pipe.stages=2", "pipe.schedule=1f1b",
                                   f"pipe.micro_batches={micro_batches}"])
-    plan = plan_layout(config, COSTS, 2, frozen_blocks=0, cached_blocks=0)
+    plan = plan_layout(config.pipe, COSTS, 2, elastic=config.dp.enabled, batch_size=config.train.batch_size,
+                       frozen_blocks=0, cached_blocks=0)
     assert plan.layout.num_stages == 2 and plan.micro_batches >= 2
 
 

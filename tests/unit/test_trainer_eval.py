@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pipetransformer.config import load_config
-from pipetransformer.trainer import Trainer
+from pipetransformer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 FREEZE_TWO_AT_STEP_ONE = ("freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=steps",
@@ -24,13 +24,13 @@ def test_cached_evaluation_equals_a_plain_forward_and_hits_the_second_time(tmp_p
     trainer = _trainer(tmp_path, *FREEZE_TWO_AT_STEP_ONE, "train.max_steps=2")
     try:
         trainer.fit()  # its final evaluation filled the evaluation records at the frozen boundary
-        assert trainer.held.plan.cached_blocks == 3 and trainer.eval_cache is not None
+        assert trainer.layout.plan.cached_blocks == 3 and trainer.cache.evaluation is not None
         batch = trainer.eval_set.get_batch(list(range(trainer.config.train.eval_batch_size)))
-        before = trainer.eval_cache.metrics()
+        before = trainer.cache.evaluation.metrics()
         trainer.model.eval()
-        cached = trainer.eval_logits(batch)
-        plain = trainer.eval_logits(batch, use_cache=False)
-        after = trainer.eval_cache.metrics()
+        cached = trainer.evaluator.outputs(batch)
+        plain = trainer.evaluator.outputs(batch, use_cache=False)
+        after = trainer.cache.evaluation.metrics()
         assert after.hits - before.hits == len(batch), "the evaluation batch was not served from the cache"
         assert after.computed == before.computed
         assert torch.equal(cached, plain)

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-import pipetransformer.trainer as trainer_module
+import pipetransformer.train.build as build_module
 from pipetransformer.config import load_config
 from pipetransformer.models import BlockSequence, build_model
-from pipetransformer.trainer import Trainer
+from pipetransformer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 BUFFER = "batches_seen"
@@ -46,7 +46,7 @@ def _fit(run_dir: Path, *overrides: str) -> Trainer:
 
 
 def test_persistent_buffers_are_checkpointed_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer_module, "build_model", _with_a_running_statistic)
+    monkeypatch.setattr(build_module, "build_model", _with_a_running_statistic)
     reference = _fit(tmp_path / "reference", "train.epochs=1")
     _fit(tmp_path / "stopped", "train.epochs=1", "train.max_steps=3")
     resumed = _fit(tmp_path / "stopped", "train.epochs=1", "checkpoint.resume=auto")
@@ -81,8 +81,8 @@ def test_the_cache_disk_level_defaults_to_node_local_temporary_storage(tmp_path:
         "freeze.interval_unit=steps", "freeze.schedule=[[1,2]]", "cache.enabled=true", "cache.memory_gb=1e-5"]))
     try:
         trainer.fit()
-        assert trainer.store is not None and trainer.store.layout.disk_records > 0
-        assert Path(str(trainer.store.layout.disk_path)).parent == node_local
+        assert trainer.cache.store is not None and trainer.cache.store.layout.disk_records > 0
+        assert Path(str(trainer.cache.store.layout.disk_path)).parent == node_local
     finally:
         trainer.close()
     assert not (run_dir / "cache").exists()

@@ -14,7 +14,6 @@ through the attention mask.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from pipetransformer.cache.store import EMPTY_BOUNDARY, ActivationStore
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation
 
 __all__ = ["CacheMetrics", "FrozenPrefixCache"]
-
-logger = logging.getLogger(__name__)
 
 _TEXT_TASK = "text"
 _SEQUENCE_DIM = 1
@@ -59,14 +56,12 @@ def _rows(activation: Activation, rows: torch.Tensor) -> Activation:
 class FrozenPrefixCache:
     """The frozen prefix of a :class:`BlockSequence`, served from an :class:`ActivationStore`.
 
-    ``inputs_are_deterministic`` must be False when a sample's inputs change between epochs (random
-    augmentation): its cached activation would then be wrong, so the cache is bypassed.
+    A sample's inputs must be the same every epoch (no random augmentation): its record is reused as is.
+    A store without a memory level (it could not be created) is bypassed: every sample is computed.
     """
 
-    def __init__(self, store: ActivationStore, inputs_are_deterministic: bool = True) -> None:
+    def __init__(self, store: ActivationStore) -> None:
         self.store = store
-        self.inputs_are_deterministic = inputs_are_deterministic
-        self._warned_bypass = False
         self._hits_at: dict[int, int] = defaultdict(int)
         self._advanced_from: dict[int, int] = defaultdict(int)
         self._samples = 0
@@ -109,10 +104,7 @@ class FrozenPrefixCache:
         if boundary == 0:
             return batch_inputs
         with torch.no_grad():
-            if not self.inputs_are_deterministic or not self.store.enabled:
-                if not self.inputs_are_deterministic and not self._warned_bypass:
-                    logger.warning("AutoCache bypassed: inputs are randomly augmented, so frozen outputs change")
-                    self._warned_bypass = True
+            if not self.store.enabled:
                 self._bypassed += indices.numel()
                 return self._run(model, batch_inputs, 0, boundary)
             return self._serve(model, batch_inputs, indices.reshape(-1).to(torch.long), boundary)

@@ -28,6 +28,7 @@ is gone (:func:`remove_stale_files`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -93,7 +94,7 @@ def spec_from_activation(example: Activation, pad_to: int | None = None) -> Acti
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """Everything a worker needs to attach to the leader's store; picklable, so it can be broadcast."""
+    """Everything a worker needs to attach to the leader's store; sent to the others as JSON (never pickled)."""
 
     name: str
     num_samples: int
@@ -106,6 +107,21 @@ class StoreLayout:
     @property
     def enabled(self) -> bool:
         return self.memory_path is not None
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "num_samples": self.num_samples,
+                           "shapes": [list(s) for s in self.spec.shapes],
+                           "dtypes": [str(d).removeprefix("torch.") for d in self.spec.dtypes],
+                           "memory_path": self.memory_path, "memory_records": self.memory_records,
+                           "disk_path": self.disk_path, "disk_records": self.disk_records})
+
+    @classmethod
+    def from_json(cls, text: str) -> StoreLayout:
+        values = json.loads(text)
+        spec = ActivationSpec(tuple(tuple(s) for s in values["shapes"]),
+                              tuple(getattr(torch, d) for d in values["dtypes"]))
+        return cls(values["name"], values["num_samples"], spec, values["memory_path"], values["memory_records"],
+                   values["disk_path"], values["disk_records"])
 
 
 class StoreRead(NamedTuple):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.blocks import BlockSequence
+from pipetransformer.models.blocks import BlockSequence
 
 __all__ = ["BlockTransfer", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state", "place_state",
            "state_tensors"]

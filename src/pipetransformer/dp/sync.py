@@ -1,11 +1,12 @@
 """Gradient synchronisation across the data-parallel replicas of one pipeline stage.
 
-DDP cannot be wrapped around a ``PipelineStage`` (FINDINGS: wrong gradients or an internal assert), and
-its static membership does not fit replicas that appear at run time, so replicas sum their gradients
-themselves: trainable parameters only (frozen ones are never all-reduced), flattened into buckets of
-``bucket_bytes`` so each collective is large, and launched asynchronously. With ``overlap`` a bucket is
-launched from the autograd hook of its last parameter, while backward still runs on earlier layers, as
-DDP does; that needs exactly one backward per step (not a pipeline schedule's one per micro-batch).
+DDP cannot be wrapped around a ``PipelineStage``: on torch 2.x its reducer hits an internal assert at the
+second step, and with ``static_graph=True`` it silently computes wrong gradients. Its static membership
+does not fit replicas that appear at run time either, so replicas sum their gradients themselves:
+trainable parameters only (frozen ones are never all-reduced), flattened into buckets of ``bucket_bytes``
+(``dp.bucket_mib``) so each collective is large, and launched asynchronously. With ``overlap`` a bucket
+is launched from the autograd hook of its last parameter, while backward still runs on earlier layers,
+as DDP does; that needs exactly one backward per step (not a pipeline schedule's one per micro-batch).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pipetransformer.config import BYTES_PER_MIB, DPConfig
+
 __all__ = ["GradientSync", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+DEFAULT_BUCKET_BYTES = int(DPConfig().bucket_mib * BYTES_PER_MIB)
+"""``dp.bucket_mib``'s default, DDP's bucket size."""
 
 
 class GradientSync:

@@ -6,8 +6,6 @@ from pipetransformer.freeze.apply import (
     PreviousGradients,
     block_grad_sq_norms,
     freeze_blocks,
-    is_pinned_eval,
-    layer_grad_sq_norms,
 )
 from pipetransformer.freeze.policies import (
     FreezeDecision,
@@ -28,8 +26,6 @@ __all__ = [
     "frozen_blocks",
     "frozen_prefix_layers",
     "geometric_frozen_count",
-    "is_pinned_eval",
-    "layer_grad_sq_norms",
     "make_policy",
     "policy_from_settings",
 ]

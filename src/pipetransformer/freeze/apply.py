@@ -12,7 +12,7 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["PreviousGradients", "block_grad_sq_norms", "freeze_blocks", "is_pinned_eval", "layer_grad_sq_norms"]
+__all__ = ["PreviousGradients", "block_grad_sq_norms", "freeze_blocks"]
 
 
 class _PinnedEval:
@@ -30,11 +30,6 @@ class _PinnedEval:
         for submodule in self.module.modules():
             submodule.training = False
         return self.module
-
-
-def is_pinned_eval(module: nn.Module) -> bool:
-    """Whether ``freeze_blocks`` pinned this block to eval mode."""
-    return isinstance(module.__dict__.get("train"), _PinnedEval)
 
 
 def freeze_blocks(model: BlockSequence, blocks: Iterable[int], optimizer: torch.optim.Optimizer | None) -> int:
@@ -92,16 +87,6 @@ def block_grad_sq_norms(model: BlockSequence, blocks: range | None = None) -> to
             if grads:
                 norms[index] = sum(torch.linalg.vector_norm(g).double().square() for g in grads)
     return norms
-
-
-def layer_grad_sq_norms(model: BlockSequence) -> torch.Tensor:
-    """Per transformer layer, the sum of its squared gradient entries (``[L]`` float64; 0 when frozen or absent).
-
-    Squared so pipeline stages holding different layers can all-reduce (SUM) and take the square root
-    after. Sum over the stages of one data-parallel replica only: after gradient synchronisation every
-    replica holds the same gradients, and summing them too would scale the result by the width.
-    """
-    return block_grad_sq_norms(model)[1:-1]
 
 
 class PreviousGradients:

@@ -18,7 +18,11 @@ from torch import nn
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
-__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "analytic_block_work", "estimate_block_costs", "profile_blocks"]
+__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "analytic_block_work", "estimate_block_costs",
+           "profile_blocks"]
+
+PROFILE_BATCH = 8
+"""Samples of the example batch blocks are profiled on (costs are per sample): enough to time, cheap to run."""
 
 _T = TypeVar("_T")
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from ..models.blocks import Activation, run_blocks
+from pipetransformer.models.blocks import Activation, run_blocks
 
 __all__ = ["SCHEDULES", "StageModule", "PipelineRunner"]
 

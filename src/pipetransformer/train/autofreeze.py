@@ -1,0 +1,106 @@
+"""AutoFreeze in a run: observe each step's gradient statistics, decide at the policy's windows, apply the
+decision to the model and the optimizer, and record it.
+
+The statistics come from the step's control vector (all-reduced), so every rank takes the same decision.
+The policies themselves are pure (``freeze.policies``); freezing a live model is ``freeze.apply``. A new
+frozen set then re-plans the layout (the trainer hands it to ``ElasticLayout.transition``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from pipetransformer.config import Config, ConfigError
+from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
+from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks, frozen_prefix_layers,
+                                             policy_from_settings)
+from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.train.control import ControlVector
+from pipetransformer.train.optimizer import HeldOptimizer
+
+__all__ = ["AutoFreeze", "WINDOWS_BEFORE_A_FREEZE"]
+
+logger = logging.getLogger(__name__)
+
+WINDOWS_BEFORE_A_FREEZE = {"gradient": 2, "coherence": 3}
+"""The gradient test compares two windows; coherence needs a window of learning, then two below its threshold."""
+EPOCHS = "epochs"
+COHERENCE = "coherence"
+
+
+class AutoFreeze:
+    """The freeze policy of a run and what it acts on."""
+
+    def __init__(self, policy: FreezePolicy, model: BlockSequence, *, gradient_dots: bool) -> None:
+        self.policy = policy
+        self.model = model
+        # g_t . g_{t-1} per layer: the coherence policy's signal (and logged for replay when every step is).
+        self.previous_grads = PreviousGradients() if gradient_dots else None
+
+    @classmethod
+    def from_config(cls, config: Config, model: BlockSequence, *, planned_steps: int, steps_per_epoch: int,
+                    warn: bool) -> AutoFreeze:
+        """``freeze.*`` for a run of ``planned_steps``; with ``warn``, says once when nothing can freeze."""
+        f = config.freeze
+        try:
+            policy = policy_from_settings(f, model.num_layers, seed=config.seed, total_steps=planned_steps,
+                                          enabled=f.enabled)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if warn and f.enabled and f.policy not in UNWINDOWED:
+            window = policy.interval * (steps_per_epoch if policy.interval_unit == EPOCHS else 1)
+            needed = window * WINDOWS_BEFORE_A_FREEZE.get(f.policy, 1)
+            steps = min(planned_steps, config.train.max_steps or planned_steps)
+            if needed > steps:
+                logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will "
+                               "freeze; shorten freeze.interval (or use interval_unit: fraction)", needed, steps)
+        return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1)
+
+    @property
+    def frozen(self) -> frozenset[int]:
+        return self.policy.frozen
+
+    def prefix_layers(self) -> int:
+        """Leading frozen layers: what a cache or a no-grad prefix can skip."""
+        return frozen_prefix_layers(self.policy.frozen)
+
+    def prefix_blocks(self) -> int:
+        """Leading frozen blocks: the embeddings freeze with layer 0."""
+        layers = self.prefix_layers()
+        return layers + 1 if layers > 0 else 0
+
+    def observe(self, control: ControlVector) -> tuple[list[float], list[float | None] | None]:
+        """Feed one step's all-reduced statistics to the policy; returns them (norms, dot products) for the record."""
+        norms = control.layer_grad_norms()
+        dots = control.layer_dots() if self.previous_grads is not None else None
+        self.policy.observe(norms, dots)
+        return norms, dots
+
+    def update(self, step: int, epoch: int, epoch_end: bool, optimizer: HeldOptimizer) -> dict[str, Any] | None:
+        """Decide after an optimizer step (``epoch_end`` once more after an epoch's last); a new frozen set is
+        applied (requires_grad off, eval mode, out of the optimizer) and its record returned, else None."""
+        decision = self.policy.decide(step, epoch, epoch_end=epoch_end)
+        if decision is None:
+            return None
+        freeze_blocks(self.model, frozen_blocks(decision.frozen, self.model.num_layers), optimizer.optimizer)
+        return {"step": step, "epoch": epoch, "frozen": sorted(decision.frozen),
+                **{k: v for k, v in decision.details.items() if _jsonable(v)}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The policy's counters and frozen set, applied to the model (its optimizer is built afterwards)."""
+        self.policy.load_state_dict(state)
+        if self.policy.frozen:
+            freeze_blocks(self.model, frozen_blocks(self.policy.frozen, self.model.num_layers), None)
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,72 @@
+"""What a run is made of, from its config: seeds, the run directory, the data splits, the block model."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from pipetransformer.config import Config, ConfigError, RunConfig
+from pipetransformer.data import datasets_from_config, small_split_warnings
+from pipetransformer.data.batch import DataSplits, IndexedDataset
+from pipetransformer.distributed import DistEnv, broadcast_string
+from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
+from pipetransformer.models.blocks import Activation
+
+__all__ = ["build_blocks", "example_inputs", "load_splits", "resolve_run_dir", "seed_everything"]
+
+logger = logging.getLogger(__name__)
+
+RUNS_DIR = "runs"
+DEFAULT_RUN_NAME = "run"
+TEXT = "text"
+
+
+def seed_everything(config: Config) -> None:
+    torch.manual_seed(config.seed)
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def resolve_run_dir(settings: RunConfig, env: DistEnv) -> Path:
+    """``run.dir``, or ``runs/<name>-<time>`` as rank 0 names it, created by rank 0."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = settings.dir or str(Path(RUNS_DIR) / f"{settings.name or DEFAULT_RUN_NAME}-{stamp}")
+    run_dir = Path(broadcast_string(path))
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def load_splits(config: Config, env: DistEnv) -> DataSplits[IndexedDataset]:
+    """Train, validation and test. The validation split serves every evaluation during training; the test split
+    is evaluated once, at the end: nothing during training (steps, freeze decisions, evaluations) reads it."""
+    # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
+    tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
+    splits = datasets_from_config(config.data, tokenizer)
+    for warning in small_split_warnings(splits) if env.is_main else []:
+        logger.warning(warning)
+    return splits
+
+
+def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSequence:
+    """The config's model as a block sequence whose head has ``outputs`` outputs, in train mode on ``device``."""
+    m = config.model
+    try:
+        model = build_model(m.kind, num_labels=outputs, path=m.path, hf_config=m.hf_config, pooling=m.pooling,
+                            vit=dict(m.vit) if m.kind == "vit" else None,
+                            attn_implementation=m.attn_implementation).to(device)
+    except (ValueError, TypeError) as error:  # the adapters' messages name the setting
+        raise ConfigError(f"model: {error}") from None
+    model.train()
+    return model
+
+
+def example_inputs(dataset: IndexedDataset, max_length: int, device: torch.device, rows: int) -> Activation:
+    """The first ``rows`` samples as model inputs on ``device``, text padded to ``max_length``: the shapes a
+    profile or a cache record must hold."""
+    pad = max_length if dataset.task == TEXT else None
+    batch = dataset.get_batch(list(range(min(rows, len(dataset)))), pad_to=pad)
+    return tuple(t.to(device) for t in batch.inputs)

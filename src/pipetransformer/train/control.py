@@ -1,0 +1,97 @@
+"""The per-step control vector: what every rank must agree on after a step, in one all-reduce.
+
+Per-layer gradient statistics (for the freeze policy), the total gradient norm (for clipping), stop requests
+(SIGTERM on any rank) and the loss travel together as one float64 tensor summed over the world, so every rank,
+idle ones included, takes the same freeze, clip and stop decisions. Each field is contributed by exactly one
+kind of rank (gradients by replica 0 of each stage, the loss by the last stages), so the sum assembles them.
+Gradients count from replica 0 only because after the gradient sync every replica holds the same ones:
+summing them too would scale the statistics by the width. Norms travel squared, so stages holding
+different layers simply add up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms
+from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.train.elastic import Placement
+
+__all__ = ["ControlVector", "TrainingDivergedError", "gather_control"]
+
+
+class TrainingDivergedError(RuntimeError):
+    """Loss or gradients became NaN/inf; the message names the step and layer."""
+
+
+@dataclass
+class ControlVector:
+    layer_grad_sq: torch.Tensor  # [L] squared gradient norm of each transformer layer
+    layer_grad_dots: torch.Tensor  # [L] g_t . g_{t-1} of each layer (0 where not valid)
+    layer_dot_valid: torch.Tensor  # [L] 1 where the layer's dot product is valid
+    total_grad_sq: torch.Tensor  # [1] squared norm of every trainable gradient (embeddings and head included)
+    stop_requests: torch.Tensor  # [1] ranks that received SIGTERM
+    loss: torch.Tensor  # [1] the step's loss summed over the last stages (already a mean over the global batch)
+
+    @classmethod
+    def zeros(cls, num_layers: int) -> ControlVector:
+        shapes = {"layer_grad_sq": num_layers, "layer_grad_dots": num_layers, "layer_dot_valid": num_layers}
+        return cls(**{f.name: torch.zeros(shapes.get(f.name, 1), dtype=torch.float64) for f in fields(cls)})
+
+    def all_reduce(self) -> ControlVector:
+        """Sum every field over the default group (one collective); returns the summed vector."""
+        parts = [getattr(self, f.name) for f in fields(self)]
+        packed = torch.cat(parts)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        return ControlVector(*torch.split(packed, [p.numel() for p in parts]))
+
+    def layer_grad_norms(self) -> list[float]:
+        return [float(v) ** 0.5 for v in self.layer_grad_sq]
+
+    def layer_dots(self) -> list[float | None]:
+        """Per layer, the dot product where it is valid, else None."""
+        return [float(d) if v > 0 else None for d, v in zip(self.layer_grad_dots, self.layer_dot_valid)]
+
+    def total_grad_norm(self) -> float:
+        return math.sqrt(float(self.total_grad_sq))
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.stop_requests > 0)
+
+    def check_finite(self, step: int, checkpoint_dir: Path) -> None:
+        """Stop before a non-finite update reaches the weights; the last checkpoint stays the last good one."""
+        loss, total_norm = float(self.loss), self.total_grad_norm()
+        if math.isfinite(loss) and math.isfinite(total_norm):
+            return
+        bad = [i for i, v in enumerate(self.layer_grad_sq.tolist()) if not math.isfinite(v)]
+        where = f"first in layer_{bad[0]}" if bad else "in the embeddings or head"
+        raise TrainingDivergedError(
+            f"non-finite loss ({loss}) or gradient norm ({total_norm}) at step {step}, {where}; "
+            f"no update was applied; lower train.lr or set train.grad_clip, then resume from {checkpoint_dir}")
+
+
+def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.Tensor, *, stop: bool,
+                   previous_grads: PreviousGradients | None) -> ControlVector:
+    """This rank's share of the step's control vector, summed over the world (every rank must call)."""
+    layers = model.num_layers
+    control = ControlVector.zeros(layers)
+    control.stop_requests[0] = float(stop)
+    if placement.replica == 0:
+        blocks = block_grad_sq_norms(model, range(*placement.blocks))
+        control.layer_grad_sq[:] = blocks[1:layers + 1]
+        control.total_grad_sq[0] = blocks.sum()
+        if previous_grads is not None:
+            start, end = placement.blocks  # layer blocks only: the policy reads no embeddings or head dots
+            dots, valid = previous_grads.block_dots(model, range(max(start, 1), min(end, layers + 1)))
+            control.layer_grad_dots[:] = dots[1:layers + 1]
+            control.layer_dot_valid[:] = valid[1:layers + 1]
+    if placement.last_stage:
+        control.loss[0] = loss_sum
+    return control.all_reduce()

@@ -1,0 +1,232 @@
+"""AutoPipe and AutoDP in a run: the layout, which blocks this rank holds, its groups, and how that changes.
+
+AutoPipe plans a layout for the current freeze state (``pipe.planner``: the active blocks over the fewest
+stages that fit, micro-batches) from block costs measured once. AutoDP turns the workers a compression
+frees into replicas: at a transition every block's weights and optimizer state move point to point to
+their new owners (``dp.handover``), the process groups are rebuilt, and the step executor for this rank's
+new place is built (``train.step``). ``rank = replica * stages + stage``; ranks past the layout idle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetransformer.config import BYTES_PER_MIB, DPConfig, PipeConfig
+from pipetransformer.data.sampler import ElasticSampler
+from pipetransformer.distributed import DistEnv, new_groups
+from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
+from pipetransformer.dp.sync import GradientSync
+from pipetransformer.faults import maybe_fail
+from pipetransformer.pipe.cost import BlockCost
+from pipetransformer.pipe.layout import transfer_plan
+from pipetransformer.pipe.planner import LayoutPlan, plan_layout
+from pipetransformer.pipe.profile import PROFILE_BATCH, estimate_block_costs
+from pipetransformer.train.build import example_inputs
+from pipetransformer.train.optimizer import HeldOptimizer, OptimizerState
+from pipetransformer.train.step import LocalStep, PipelineStep, StepContext, StepExecutor
+
+__all__ = ["ElasticLayout", "Placement", "UNIFORM_COST"]
+
+UNIFORM_COST = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0)
+"""Every block's cost without AutoPipe: one stage holds them all, so only their count matters."""
+KEEP_PER_PIPELINE = "keep_per_pipeline"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank is under a plan."""
+
+    plan: LayoutPlan
+    replica: int | None  # None: an idle rank (past the layout's ranks)
+    stage: int | None
+    blocks: tuple[int, int]  # [start, end) of the blocks it holds (stage 0 includes the frozen prefix)
+
+    @classmethod
+    def of(cls, plan: LayoutPlan, rank: int) -> Placement:
+        if rank >= plan.layout.world_size:
+            return cls(plan, None, None, (0, 0))
+        replica, stage = plan.layout.coords(rank)
+        return cls(plan, replica, stage, plan.held_bounds()[stage])
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage is not None and self.stage == self.plan.layout.num_stages - 1
+
+    def share(self, global_batch: list[int]) -> list[int]:
+        """This replica's contiguous share of a global batch."""
+        assert self.replica is not None
+        return ElasticSampler.split_for_replica(global_batch, self.plan.layout.dp_width, self.replica)
+
+
+@dataclass(frozen=True)
+class _HeldBlocks:
+    """A plan's stages as the blocks their ranks hold, the prefix included: what a handover must move."""
+
+    bounds: list[tuple[int, int]]
+
+
+class ElasticLayout:
+    """The current plan and this rank's place in it; ``transition`` moves the run to another plan."""
+
+    def __init__(self, context: StepContext, env: DistEnv, *, pipe: PipeConfig, dp: DPConfig, batch_size: int) -> None:
+        self.context = context
+        self.model = context.model
+        self.env = env
+        self.pipe = pipe
+        self.dp = dp
+        self.batch_size = batch_size  # train.batch_size: the global batch at the starting width
+        self.initial_width: int | None = None  # set by the first layout (or a resume on as many workers)
+        self._placement: Placement | None = None
+        self.executor: StepExecutor | None = None  # None on idle ranks
+        self.pipe_group: dist.ProcessGroup | None = None
+        self.dp_group: dist.ProcessGroup | None = None
+        self._costs: list[BlockCost] | None = None
+
+    @property
+    def placement(self) -> Placement:
+        assert self._placement is not None, "no layout yet: call transition first"
+        return self._placement
+
+    @property
+    def plan(self) -> LayoutPlan:
+        return self.placement.plan
+
+    def costs(self) -> list[BlockCost]:
+        """Per-block costs, measured (or estimated) on rank 0 when first needed and broadcast, so every rank plans
+        from the same numbers."""
+        if self._costs is None:
+            self._costs = self._block_costs()
+        return self._costs
+
+    def plan_for(self, frozen_blocks: int, cached_blocks: int) -> LayoutPlan:
+        """AutoPipe's layout for this freeze state; with AutoDP its width is what the stages leave."""
+        return plan_layout(self.pipe, self.costs(), self.env.world_size, elastic=self.dp.enabled,
+                           batch_size=self.batch_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
+                           dp_width=self.initial_width, global_batch=self.global_batch)
+
+    def global_batch(self, width: int | None = None) -> int:
+        """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it
+        started with, so the global batch grows with the width (default: the current one)."""
+        if width is None:
+            width = self.plan.layout.dp_width
+        if self.dp.batch_policy == KEEP_PER_PIPELINE and self.initial_width:
+            return self.batch_size * width // self.initial_width
+        return self.batch_size
+
+    def lr_scale(self) -> float:
+        """Linear scaling rule when the global batch grows with the width (keep_per_pipeline)."""
+        return self.global_batch() / self.batch_size
+
+    def transition(self, plan: LayoutPlan, optimizer: HeldOptimizer) -> dict[str, Any] | None:
+        """Make ``plan`` the layout (every rank must call): hand blocks over to their new owners, rebuild the
+        groups, the optimizer and the step executor, open the cache if the plan caches blocks. Returns the
+        seconds it took and the blocks moved, or None for the run's first layout."""
+        started = time.perf_counter()
+        rank = self.env.rank
+        previous, placement = self._placement, Placement.of(plan, rank)
+        received: OptimizerState = {}
+        moved = 0
+        if previous is not None and self.env.distributed:
+            transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
+                _HeldBlocks(previous.plan.held_bounds()), previous.plan.layout, _HeldBlocks(plan.held_bounds()),
+                plan.layout)]
+            moved = len(transfers)
+            maybe_fail("handover", rank)
+            received = transfer_blocks(self.model, transfers, optimizer.optimizer, rank)
+        self._destroy_groups()
+        if self.env.distributed:
+            self.pipe_group = new_groups(plan.layout.all_pipeline_groups(), rank)
+            self.dp_group = new_groups(plan.layout.all_dp_groups(), rank)
+        optimizer.rebuild(placement.blocks, received)
+        if self.executor is not None:
+            self.executor.close()
+        self.executor = self._executor(placement, optimizer.params)
+        self.context.prefix.open(plan.cached_blocks)
+        self._placement = placement
+        if self.initial_width is None:
+            self.initial_width = plan.layout.dp_width
+        if previous is None:
+            return None
+        return {"seconds": time.perf_counter() - started, "blocks_moved": moved}
+
+    def _executor(self, placement: Placement, params: list[torch.nn.Parameter]) -> StepExecutor | None:
+        if placement.stage is None:
+            return None
+        stages = placement.plan.layout.num_stages
+        # One backward per step only without a pipeline schedule: then buckets overlap backward.
+        sync = GradientSync(params, self.dp_group, bucket_bytes=int(self.dp.bucket_mib * BYTES_PER_MIB),
+                            overlap=stages == 1)
+        if stages == 1:
+            return LocalStep(self.context, placement.plan, sync)
+        assert self.pipe_group is not None
+        return PipelineStep(self.context, placement.plan, placement.stage, sync, self.pipe_group, self.pipe.schedule)
+
+    def owners(self) -> dict[int, int]:
+        """Block -> the rank of replica 0 that holds it: where the current state of every block is."""
+        plan = self.plan
+        return {block: plan.layout.rank(0, stage) for stage, (start, end) in enumerate(plan.held_bounds())
+                for block in range(start, end)}
+
+    def gather_to_main(self, optimizer: HeldOptimizer) -> OptimizerState:
+        """Bring every block to rank 0 (its weights in place there) with its optimizer state, which is returned
+        (for a checkpoint; every rank must call)."""
+        if not self.env.distributed:
+            return {}
+        transfers = [BlockTransfer(b, owner, 0) for b, owner in sorted(self.owners().items()) if owner != 0]
+        return transfer_blocks(self.model, transfers, optimizer.optimizer, self.env.rank)
+
+    def share_model(self) -> None:
+        """Give every rank the current weights of every block (before an evaluation; every rank must call)."""
+        layout = self.plan.layout
+        if self.env.distributed and (layout.num_stages > 1 or layout.world_size < self.env.world_size):
+            broadcast_blocks(self.model, self.owners(), range(len(self.model)))
+
+    def fingerprints(self) -> list[list[float]]:
+        """Per rank: [stage, sum of its held parameters in float64]. Replicas of a stage must agree bit for bit."""
+        start, end = self.placement.blocks
+        total = sum(float(p.detach().double().sum()) for i in range(start, end)
+                    for p in self.model.blocks[i].parameters())
+        stage = self.placement.stage
+        mine = torch.tensor([-1.0 if stage is None else float(stage), total], dtype=torch.float64)
+        if not self.env.distributed:
+            return [mine.tolist()]
+        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, mine)
+        return [g.tolist() for g in gathered]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial_width": self.initial_width, "world_size": self.env.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume on as many workers keeps the width the run started with; on others it starts afresh."""
+        if state["world_size"] == self.env.world_size:
+            self.initial_width = state["initial_width"]
+
+    def close(self) -> None:
+        self._destroy_groups()
+
+    def _destroy_groups(self) -> None:
+        for group in (self.pipe_group, self.dp_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.pipe_group = self.dp_group = None
+
+    def _block_costs(self) -> list[BlockCost]:
+        if not self.pipe.enabled:
+            return [UNIFORM_COST for _ in range(len(self.model))]
+        ctx = self.context
+        costs: list[BlockCost] = []
+        if self.env.is_main:
+            inputs = example_inputs(ctx.dataset, ctx.max_length, ctx.device, PROFILE_BATCH)
+            costs = estimate_block_costs(self.model, inputs, num_classes=ctx.task.outputs(ctx.dataset),
+                                         measure=self.pipe.profile)
+        table = torch.tensor([[c.forward_s, c.backward_s, c.output_bytes, c.param_bytes, c.activation_bytes]
+                              for c in costs] if costs else [[0.0] * 5] * len(self.model), dtype=torch.float64)
+        if self.env.distributed:
+            dist.broadcast(table, src=0)
+        return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]

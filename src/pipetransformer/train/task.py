@@ -1,0 +1,94 @@
+"""What a run learns: the head's width, the loss and the evaluation metric, handed to the trainer as data.
+
+As a model's train spec is in torchtitan, a task is passed in, not written into the loop: the step
+executors and the evaluator call it and never name a loss. ``classification()`` is what the CLI trains;
+``regression()`` predicts one number per sample, an integer label's value (a digit's value from its
+image); other heads (token classification, ...) come through the Python API, ``train(config, task=...)``.
+Its functions are module-level so a task can be sent to spawned worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipetransformer.data.batch import IndexedDataset
+
+__all__ = ["Task", "classification", "regression"]
+
+BatchSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(head output, targets) -> sum over the batch's rows``."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """``loss`` and ``metric_sum`` return sums over a batch's rows, never means: the trainer divides the loss
+    by the global batch (so replicas and micro-batches simply add up) and the metric by the evaluated samples
+    (so shards over ranks add up), which keeps every layout exact."""
+
+    metric: str  # its name in records and the summary: eval_<metric>, test_<metric>, ...
+    higher_is_better: bool  # picks the best validation (the weights tested at the end)
+    outputs: Callable[[IndexedDataset], int]  # the head's width for a training set
+    targets: Callable[[torch.Tensor], torch.Tensor]  # a batch's dataset labels -> what loss and metric compare with
+    loss: BatchSum
+    metric_sum: BatchSum
+
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether ``value`` improves on ``than`` (``None``: nothing measured yet)."""
+        if than is None:
+            return True
+        return value > than if self.higher_is_better else value < than
+
+    def best(self, values: Iterable[float]) -> float | None:
+        values = list(values)
+        if not values:
+            return None
+        return max(values) if self.higher_is_better else min(values)
+
+
+def _class_count(dataset: IndexedDataset) -> int:
+    return dataset.num_classes
+
+
+def _class_ids(labels: torch.Tensor) -> torch.Tensor:
+    return labels
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def _correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (logits.argmax(-1) == targets).sum()
+
+
+def classification() -> Task:
+    """One logit per class, cross-entropy, accuracy."""
+    return Task(metric="accuracy", higher_is_better=True, outputs=_class_count, targets=_class_ids,
+                loss=_cross_entropy_sum, metric_sum=_correct)
+
+
+def _one_output(dataset: IndexedDataset) -> int:
+    return 1
+
+
+def _label_values(labels: torch.Tensor) -> torch.Tensor:
+    return labels.to(torch.float32)
+
+
+def _squared_error_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(outputs.squeeze(-1), targets, reduction="sum")
+
+
+def _absolute_error_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.squeeze(-1) - targets).abs().sum()
+
+
+def regression() -> Task:
+    """One output, the label's value as a float target, squared error as the loss, mean absolute error (``mae``,
+    lower is better) as the metric: it reads in the label's own units."""
+    return Task(metric="mae", higher_is_better=False, outputs=_one_output, targets=_label_values,
+                loss=_squared_error_sum, metric_sum=_absolute_error_sum)

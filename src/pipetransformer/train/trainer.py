@@ -1,0 +1,247 @@
+"""The training loop: it wires this package's components together and reads top to bottom.
+
+A step: sampler -> replica's share -> frozen prefix (cache or no-grad forward) -> stages -> gradient sync ->
+control vector (one world all-reduce) -> clip -> optimizer. Then AutoFreeze decides; a new frozen set is
+applied, re-planned and handed over to the new layout. ``docs/architecture.md`` names each arrow's module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pipetransformer.config import Config
+from pipetransformer.data.sampler import ElasticSampler
+from pipetransformer.distributed import init_distributed, shutdown_distributed
+from pipetransformer.metrics import StepTimer
+from pipetransformer.optim import lr_at
+from pipetransformer.pipe.planner import LayoutPlan
+from pipetransformer.train.autocache import AutoCache
+from pipetransformer.train.autofreeze import AutoFreeze
+from pipetransformer.train.build import build_blocks, load_splits, resolve_run_dir, seed_everything
+from pipetransformer.train.checkpointer import Checkpointer
+from pipetransformer.train.control import gather_control
+from pipetransformer.train.elastic import ElasticLayout
+from pipetransformer.train.evaluator import Evaluator
+from pipetransformer.train.optimizer import HeldOptimizer
+from pipetransformer.train.recorder import RunRecorder
+from pipetransformer.train.state import Progress, TrainState
+from pipetransformer.train.step import StepContext, StepResult
+from pipetransformer.train.task import Task, classification
+
+__all__ = ["Trainer", "train"]
+
+logger = logging.getLogger(__name__)
+
+RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+
+
+class Trainer:
+    """Runs one training job on this process (one of the torchrun workers, or alone)."""
+
+    def __init__(self, config: Config, task: Task | None = None) -> None:
+        self.config, self.task = config, task or classification()
+        self.env = env = init_distributed(config.dist)
+        seed_everything(config)
+        self.run_dir = resolve_run_dir(config.run, env)
+        self.train_set, self.eval_set, self.test_set = load_splits(config, env)
+        self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
+        self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
+        batch = config.train.batch_size  # planned steps at the starting batch: what a fraction window is a share of
+        self.freezer = AutoFreeze.from_config(config, self.model, warn=env.is_main,
+                                              planned_steps=math.ceil(self._total_samples() / batch),
+                                              steps_per_epoch=math.ceil(len(self.train_set) / batch))
+        self.progress = Progress()
+        self.optimizer = HeldOptimizer(self.model, config.train)
+        max_length = config.data.max_length
+        self.cache = AutoCache(self.model, env, config.cache, train_set=self.train_set, eval_samples=len(self.eval_set),
+                               max_length=max_length)
+        context = StepContext(self.model, self.task, self.train_set, max_length, env.device, self.cache)
+        self.layout = ElasticLayout(context, env, pipe=config.pipe, dp=config.dp, batch_size=batch)
+        self.evaluator = Evaluator(self.model, self.task, env, batch_size=config.train.eval_batch_size,
+                                   layout=self.layout, cache=self.cache)
+        self.state = TrainState(model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+                                freezer=self.freezer, layout=self.layout, progress=self.progress, config=config)
+        self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, env)
+        resumed = self.checkpointer.resume(self.state)
+        self._adopt(self._plan())
+        self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
+                                    cache_metrics=self.cache.metrics)
+        self._sigterm_received = False  # this rank, set by the signal handler at any moment
+        self.recorder.write_config(config)
+
+    def fit(self) -> dict[str, Any]:
+        cfg, progress = self.config.train, self.progress
+        started = time.perf_counter() - progress.elapsed_before_s
+        timer = StepTimer(self.env.device)
+        self.recorder.start(started, self._total_samples(), self.state.samples_done())
+        resumed_mid_epoch = progress.step > 0 and not progress.epoch_done
+        first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
+        done = cfg.max_steps is not None and progress.step >= cfg.max_steps
+        main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+        try:
+            for epoch in range(first_epoch, cfg.epochs):
+                if done:
+                    break
+                progress.epoch, progress.epoch_done = epoch, False
+                if not (resumed_mid_epoch and epoch == first_epoch):
+                    self.sampler.set_epoch(epoch)
+                while not done:
+                    timer.reset()
+                    with timer.phase("data"):
+                        global_batch = self.sampler.next_global_batch(self.layout.global_batch())
+                    if global_batch is None:
+                        break
+                    result = self._train_step(global_batch, timer)
+                    progress.step += 1
+                    progress.samples += len(global_batch)
+                    self.recorder.step(progress, result, len(global_batch), timer, self.layout.plan,
+                                       len(self.freezer.frozen))
+                    self._freeze(epoch_end=False)
+                    if cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0:
+                        self._validate(started)
+                    done = cfg.max_steps is not None and progress.step >= cfg.max_steps
+                    every = self.config.checkpoint.every_steps
+                    mid_epoch = not self._epoch_exhausted()  # at an epoch's end the epoch-end checkpoint follows
+                    if result.stop_requested or (mid_epoch and ((every and progress.step % every == 0) or done)):
+                        self._checkpoint(started)
+                    if result.stop_requested:
+                        logger.warning("SIGTERM: checkpoint written at step %d, stopping", progress.step)
+                        return self._finish(started, completed=False)
+                if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
+                    break
+                if not cfg.eval_every_steps:
+                    self._validate(started)
+                self._freeze(epoch_end=True)  # even on the last step: a checkpoint's policy is the model's state
+                progress.epoch_done = True
+                self.recorder.epoch_done(self.state.samples_done())
+                self._checkpoint(started)
+            if not progress.eval_history or progress.eval_history[-1]["step"] != progress.step:
+                self._validate(started)  # the final model, whatever eval_every_steps is
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.recorder.stop()
+        return self._finish(started)
+
+    def _train_step(self, global_batch: list[int], timer: StepTimer) -> StepResult:
+        """One optimizer step on ``global_batch``; every rank returns the same result (from the control vector)."""
+        # Dropout streams depend on (seed, step, rank) only, so a resumed run draws the same masks.
+        torch.manual_seed(hash((self.config.seed, self.progress.step, self.env.rank)) % RNG_MODULUS)
+        rows = len(global_batch)
+        schedule_lr = lr_at(self.state.samples_done() - rows, self._total_samples(), self.config.train, rows)
+        lr = schedule_lr * self.layout.lr_scale()
+        placement, executor = self.layout.placement, self.layout.executor
+        loss_sum, allreduce_bytes = torch.zeros((), dtype=torch.float64), 0
+        if executor is not None:  # idle ranks only take part in the control vector
+            share = placement.share(global_batch)
+            with timer.phase("data"):
+                batch = executor.load(share)
+            if placement.stage == 0:  # one record per replica
+                self.recorder.samples(self.progress.epoch, self.progress.step + 1, share)
+            if batch is not None:
+                loss_sum += executor.forward_backward(batch, rows, timer)
+            with timer.phase("allreduce"):
+                allreduce_bytes = executor.synchronize()
+        with timer.phase("control"):
+            control = gather_control(self.model, placement, loss_sum, stop=self._sigterm_received,
+                                     previous_grads=self.freezer.previous_grads)
+        control.check_finite(self.progress.step + 1, self.checkpointer.directory)
+        with timer.phase("optimizer"):
+            self.optimizer.step(lr, control.total_grad_norm())
+        norms, dots = self.freezer.observe(control)
+        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested)
+
+    def _plan(self) -> LayoutPlan:
+        frozen_layers = self.freezer.prefix_layers()
+        return self.layout.plan_for(self.freezer.prefix_blocks(), self.cache.cached_blocks(frozen_layers))
+
+    def _adopt(self, plan: LayoutPlan) -> None:
+        transition = self.layout.transition(plan, self.optimizer)
+        step, described = self.progress.step, plan.describe()
+        self.progress.layout_history.append({"step": step, "frozen_layers": len(self.freezer.frozen),
+                                             "frozen_prefix_layers": self.freezer.prefix_layers(), **described})
+        if transition is not None:
+            self.progress.transitions.append({"step": step, **transition, **described})
+
+    def _freeze(self, epoch_end: bool) -> None:
+        record = self.freezer.update(self.progress.step, self.progress.epoch, epoch_end, self.optimizer)
+        if record is not None:
+            self.progress.freeze_decisions.append(record)
+            self.recorder.event("freeze", record)
+            self._adopt(self._plan())
+
+    def _validate(self, started: float) -> None:
+        """Evaluate the validation split; keep the weights when they are the best so far."""
+        metric, history = self.task.metric, self.progress.eval_history
+        best_before = self.task.best(e[metric] for e in history)
+        value = self.evaluator.evaluate(self.eval_set, use_cache=True)
+        entry = {"epoch": self.progress.epoch, "step": self.progress.step, metric: value,
+                 "wall_s": time.perf_counter() - started}
+        history.append(entry)
+        self.recorder.event("eval", {"split": "validation", "samples": len(self.eval_set), **entry})
+        if self.env.is_main:
+            logger.info("eval step %d: validation %s %.4f", self.progress.step, metric, value)
+        if self.task.better(value, best_before):
+            self.checkpointer.save_best(self.model, self.progress.step, metric, value)
+
+    def _checkpoint(self, started: float) -> None:
+        record = self.checkpointer.save(self.state, started)
+        if record is not None:
+            self.progress.checkpoints.append(record)
+            self.recorder.checkpoint(record)
+
+    def _finish(self, started: float, completed: bool = True) -> dict[str, Any]:
+        """The summary; a completed run also evaluates the test split (outside its wall time)."""
+        summary = self.recorder.summary(self.progress, time.perf_counter() - started, self.task,
+                                        fingerprints=self.layout.fingerprints(),
+                                        freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
+        if self.config.run.save_model:
+            self.checkpointer.save_model(self.state, self.run_dir)
+        if completed:
+            result = self.evaluator.test(self.test_set, self.checkpointer.best())
+            self.recorder.event("test", {"step": self.progress.step, **result})
+            summary.update(result)
+        self.recorder.write_summary(summary)
+        return summary
+
+    def _total_samples(self) -> int:
+        """The learning-rate schedule's and the progress bar's length, in samples: steps are not known in advance
+        when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
+        return len(self.train_set) * self.config.train.epochs
+
+    def _epoch_exhausted(self) -> bool:
+        left = self.sampler.remaining()
+        return left == 0 or (self.sampler.drop_last and left < self.layout.global_batch())
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Checkpoint at the next step boundary, then stop.
+
+        Only a request: the ranks agree on the step through the next control vector. Acting on it here
+        directly would let a signal that lands between a step's control all-reduce and the stop check
+        stop this rank one step before the others, which then wait for it until the timeout.
+        """
+        self._sigterm_received = True
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.cache.close()
+        self.layout.close()
+        shutdown_distributed()
+
+
+def train(config: Config, task: Task | None = None) -> dict[str, Any]:
+    """Python API: run ``config`` in this process (join a torchrun job if launched by one); ``task`` defaults to
+    classification."""
+    trainer = Trainer(config, task)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
