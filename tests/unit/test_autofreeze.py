@@ -1,0 +1,69 @@
+"""AutoFreeze on its own: observe the control vector, decide at the policy's step, apply to model and optimizer,
+record; its state re-freezes a fresh model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetransformer.config import load_config
+from pipetransformer.freeze.policies import make_policy
+from pipetransformer.train.autofreeze import AutoFreeze
+from pipetransformer.train.control import ControlVector
+from pipetransformer.train.optimizer import HeldOptimizer
+from tiny import LAYERS, tiny_model
+
+FREEZE_TWO_AT_STEP_TWO = [[2, 2]]
+ROOT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_text.yaml"
+
+
+def _freezer(model: torch.nn.Module) -> AutoFreeze:
+    policy = make_policy("schedule", LAYERS, interval=1, interval_unit="steps", alpha=0.5, percentile=50.0,
+                         max_fraction=1.0, schedule=FREEZE_TWO_AT_STEP_TWO, seed=0)
+    return AutoFreeze(policy, model, gradient_dots=False)  # type: ignore[arg-type]
+
+
+def test_a_decision_freezes_the_leading_blocks_drops_them_from_the_optimizer_and_is_recorded() -> None:
+    model = tiny_model()
+    optimizer = HeldOptimizer(model, load_config(None).train)
+    optimizer.rebuild((0, len(model)), {})
+    freezer = _freezer(model)
+    control = ControlVector.zeros(LAYERS)
+    control.layer_grad_sq[:] = torch.tensor([4.0, 1.0, 9.0], dtype=torch.float64)
+    assert freezer.observe(control) == ([2.0, 1.0, 3.0], None)
+    assert freezer.update(1, 0, epoch_end=False, optimizer=optimizer) is None
+    record = freezer.update(2, 0, epoch_end=False, optimizer=optimizer)
+    assert record is not None and (record["step"], record["epoch"], record["frozen"]) == (2, 0, [0, 1])
+    assert (freezer.prefix_layers(), freezer.prefix_blocks()) == (2, 3)
+    frozen = [p for i in range(3) for p in model.blocks[i].parameters()]
+    assert not any(p.requires_grad for p in frozen) and not model.blocks[1].training
+    assert optimizer.optimizer is not None
+    held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    assert not held & {id(p) for p in frozen}
+
+
+def test_its_state_refreezes_a_fresh_model() -> None:
+    model = tiny_model()
+    freezer = _freezer(model)
+    freezer.update(1, 0, epoch_end=False, optimizer=HeldOptimizer(model, load_config(None).train))
+    freezer.update(2, 0, epoch_end=False, optimizer=HeldOptimizer(model, load_config(None).train))
+    fresh = _freezer(tiny_model())
+    fresh.load_state_dict(freezer.state_dict())
+    assert fresh.frozen == frozenset({0, 1})
+    assert [p.requires_grad for p in fresh.model.parameters()] == [p.requires_grad for p in model.parameters()]
+
+
+def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_can_freeze(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.interval=50", "freeze.interval_unit=steps",
+                                       "run.log_every=10"])
+    with caplog.at_level(logging.WARNING):
+        freezer = AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=True)
+    assert freezer.previous_grads is not None, "coherence reads g_t . g_(t-1)"
+    assert any("nothing will freeze" in r.getMessage() for r in caplog.records)
+    geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
+    assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,
+                                  warn=False).previous_grads is None
