@@ -26,8 +26,10 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pipetransformer.metrics import (CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME,
-                      tensorboard_available, tensorboard_scalars)
+from pipetransformer.metrics import (
+    CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, tensorboard_available,
+    tensorboard_scalars,
+)
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",

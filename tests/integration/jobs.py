@@ -129,9 +129,9 @@ def without_key_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """``state`` with attention key biases (and their optimizer state) zeroed.
 
     Their gradients are analytically zero (softmax ignores a per-query constant), so what they get is
-    float noise of the reduction order, which Adam normalises into steps up to the learning rate
-    (FINDINGS). Two runs that differ only in how many processes summed the gradients agree on
-    everything else; on these entries they cannot.
+    float noise of the reduction order, which Adam normalises into steps up to the learning rate.
+    Two runs that differ only in how many processes summed the gradients agree on everything else;
+    on these entries they cannot.
     """
     masked = dict(state)
     for name, tensor in state.items():

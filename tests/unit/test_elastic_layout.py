@@ -65,3 +65,11 @@ def test_a_resume_keeps_the_starting_width_only_on_as_many_workers() -> None:
     assert elastic.initial_width is None
     elastic.load_state_dict({"initial_width": 1, "world_size": 1})
     assert elastic.initial_width == 1 and elastic.state_dict() == {"initial_width": 1, "world_size": 1}
+
+
+def test_the_gradient_buckets_are_the_dp_setting() -> None:
+    model = tiny_model()
+    one_parameter_each = layout(model, tiny_dataset(), env(), dp=DPConfig(bucket_mib=1e-9))
+    one_parameter_each.transition(one_parameter_each.plan_for(0, 0), HeldOptimizer(model, TrainConfig()))
+    assert isinstance(one_parameter_each.executor, LocalStep)
+    assert [len(bucket) for bucket in one_parameter_each.executor.sync.buckets] == [1] * 2 * BLOCKS
