@@ -27,7 +27,8 @@ def _state(seed: int) -> TrainState:
     policy = make_policy("schedule", LAYERS, interval=1, interval_unit="steps", alpha=0.5, percentile=50.0,
                          max_fraction=1.0, schedule=[[2, 1]], seed=0)
     return TrainState(model=model, optimizer=HeldOptimizer(model, CONFIG.train),
-                      sampler=ElasticSampler(ROWS, seed=SAMPLER_SEED), freezer=AutoFreeze(policy, model, gradient_dots=False),
+                      sampler=ElasticSampler(ROWS, seed=SAMPLER_SEED),
+                      freezer=AutoFreeze(policy, model, gradient_dots=False),
                       layout=layout(model, tiny_dataset(), env()), progress=Progress(), config=CONFIG)
 
 

@@ -18,14 +18,13 @@ from pipetransformer.cache.prefix import CacheMetrics, FrozenPrefixCache
 from pipetransformer.cache.store import ActivationStore, StoreLayout, spec_from_activation
 from pipetransformer.config import BYTES_PER_GB, CacheConfig
 from pipetransformer.data.batch import Batch, IndexedDataset
+from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_from_local_leader
 from pipetransformer.models.blocks import Activation, BlockSequence
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.build import example_inputs
 
 __all__ = ["AutoCache"]
-
-TEXT = "text"
 
 
 class AutoCache:
@@ -57,7 +56,8 @@ class AutoCache:
         example = example_inputs(self.train_set, self.max_length, self.env.device, rows=1)
         with torch.no_grad():
             activation = self.model.forward_range(example, 0, cached_blocks)
-        spec = spec_from_activation(activation, pad_to=self.max_length if self.train_set.task == TEXT else None)
+        text = self.train_set.task == TextDataset.task
+        spec = spec_from_activation(activation, pad_to=self.max_length if text else None)
         disk_dir = self.settings.dir or tempfile.gettempdir()  # node-local: the run directory may be shared
         memory_bytes = int(self.settings.memory_gb * BYTES_PER_GB)
         store: ActivationStore | None = None

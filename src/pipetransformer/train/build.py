@@ -11,6 +11,7 @@ import torch
 from pipetransformer.config import Config, ConfigError, RunConfig
 from pipetransformer.data import datasets_from_config, small_split_warnings
 from pipetransformer.data.batch import DataSplits, IndexedDataset
+from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
 from pipetransformer.models.blocks import Activation
@@ -21,7 +22,6 @@ logger = logging.getLogger(__name__)
 
 RUNS_DIR = "runs"
 DEFAULT_RUN_NAME = "run"
-TEXT = "text"
 
 
 def seed_everything(config: Config) -> None:
@@ -67,6 +67,6 @@ def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSeq
 def example_inputs(dataset: IndexedDataset, max_length: int, device: torch.device, rows: int) -> Activation:
     """The first ``rows`` samples as model inputs on ``device``, text padded to ``max_length``: the shapes a
     profile or a cache record must hold."""
-    pad = max_length if dataset.task == TEXT else None
+    pad = max_length if dataset.task == TextDataset.task else None
     batch = dataset.get_batch(list(range(min(rows, len(dataset)))), pad_to=pad)
     return tuple(t.to(device) for t in batch.inputs)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipetransformer.data.batch import Batch, IndexedDataset
+from pipetransformer.data.text import TextDataset
 from pipetransformer.dp.sync import GradientSync
 from pipetransformer.metrics import StepTimer
 from pipetransformer.models.blocks import BlockSequence
@@ -32,7 +33,6 @@ __all__ = ["LENGTH_BUCKET", "LocalStep", "PipelineStep", "StepContext", "StepExe
 LENGTH_BUCKET = 8
 """Pipelined text batches are padded up to a multiple of this, so stages see few distinct shapes (a stage fixes
 its buffers' shapes at its first step)."""
-TEXT = "text"
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class PipelineStep:
             return None
         dataset = self.context.dataset
         pad = None
-        if dataset.task == TEXT:
+        if dataset.task == TextDataset.task:
             longest = int(dataset.lengths[torch.tensor(indices)].max())  # type: ignore[attr-defined]
             pad = min(self.context.max_length, math.ceil(longest / LENGTH_BUCKET) * LENGTH_BUCKET)
         return dataset.get_batch(indices, pad_to=pad)
@@ -149,7 +149,8 @@ class PipelineStep:
             inputs = ctx.prefix.prefix(batch, self.plan) if self.stage == 0 else None
             micro, schedule = step_micro_batches(len(batch), self.plan.micro_batches, self.plan.layout.num_stages,
                                                  self.schedule)
-            shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if ctx.dataset.task == TEXT else ()))
+            text = ctx.dataset.task == TextDataset.task
+            shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if text else ()))
             targets = ctx.task.targets(batch.labels).to(ctx.device)
             losses = self.runner.step(shape_key, micro, schedule, inputs, targets)
         return torch.tensor(sum(float(loss.detach()) for loss in losses), dtype=torch.float64)
