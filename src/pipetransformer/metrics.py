@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synchronize", "tensorboard_available",
-           "tensorboard_scalars", "truncate_log", "METRICS_FILE", "TENSORBOARD_DIR_NAME", "LAYOUT_FIELDS", "NON_PHASE_SECONDS",
-           "CACHE_FIELD_PREFIX"]
+__all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synchronize", "eval_metric",
+           "tensorboard_available", "tensorboard_scalars", "truncate_log", "METRICS_FILE", "TENSORBOARD_DIR_NAME",
+           "LAYOUT_FIELDS", "NON_PHASE_SECONDS", "CACHE_FIELD_PREFIX", "DEFAULT_EVAL_METRIC"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ LAYOUT_FIELDS = (("frozen_layers", "frozen layers"), ("stages", "pipeline stages
 NON_PHASE_SECONDS = ("step_s", "wall_s", "samples_per_s")  # end in "_s" but are no phase
 CACHE_FIELD_PREFIX = "cache_"
 NOT_SCALARS = ("event", "step", "epoch", "wall_s")  # a step record's keys that are its coordinates, not metrics
+EVAL_COORDINATES = (*NOT_SCALARS, "split", "samples")  # an evaluation record's keys besides its task's metric
+DEFAULT_EVAL_METRIC = "accuracy"  # classification's, what a run without evaluations is read as
 
 
 def device_synchronize(device: torch.device) -> None:
@@ -119,16 +121,26 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def eval_metric(evals: list[dict[str, Any]]) -> str:
+    """The name of the task's metric in evaluation records (``accuracy`` for classification)."""
+    for key in evals[0] if evals else ():
+        if key not in EVAL_COORDINATES:
+            return key
+    return DEFAULT_EVAL_METRIC
+
+
 def tensorboard_scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
     """The TensorBoard scalars ``(tag, value)`` of one metrics record, at the record's ``step``.
 
     Step records give ``layout/*`` (frozen layers, stages, width, micro-batches), ``time/*`` (the step and
-    its phases, seconds) and ``train/*`` (loss, lr, samples/s, cache, ...); evaluations ``eval/accuracy``;
-    freeze decisions ``freeze/frozen_layers``. Other events (checkpoints) and non-numbers give nothing.
+    its phases, seconds) and ``train/*`` (loss, lr, samples/s, cache, ...); evaluations ``eval/<metric>``
+    (``eval/accuracy`` for classification); freeze decisions ``freeze/frozen_layers``. Other events
+    (checkpoints) and non-numbers give nothing.
     """
     event = record.get("event")
     if event == "eval":
-        return [("eval/accuracy", float(record["accuracy"]))]
+        metric = eval_metric([record])
+        return [(f"eval/{metric}", float(record[metric]))]
     if event == "freeze":
         return [("freeze/frozen_layers", float(len(record.get("frozen", []))))]
     if event != "step":

@@ -27,8 +27,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pipetransformer.metrics import (
-    CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, tensorboard_available,
-    tensorboard_scalars,
+    CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, eval_metric,
+    tensorboard_available, tensorboard_scalars,
 )
 
 __all__ = [
@@ -274,13 +274,15 @@ def _plot_accuracy(runs: Sequence[Run], labels: Sequence[str], path: Path) -> No
     figure = Figure(figsize=LINE_FIGSIZE, layout="constrained")
     axes = figure.add_subplot()
     drawn = False
+    metrics = sorted({eval_metric(run.evals) for run in runs if run.evals}) or [eval_metric([])]
     for run, label in zip(runs, labels):
         if run.evals:
-            axes.plot([e["wall_s"] for e in run.evals], [e["accuracy"] for e in run.evals], marker="o", label=label)
+            metric = eval_metric(run.evals)
+            axes.plot([e["wall_s"] for e in run.evals], [e[metric] for e in run.evals], marker="o", label=label)
             drawn = True
-    axes.set_title("Evaluation accuracy")
+    axes.set_title(f"Evaluation {' / '.join(metrics)}")
     axes.set_xlabel("wall time since training started (s)")
-    _finish_axes(axes, "accuracy", drawn)
+    _finish_axes(axes, " / ".join(metrics), drawn)
     _save(figure, path)
 
 
@@ -337,6 +339,7 @@ def _run_section(run: Run, label: str) -> list[str]:
     transitions = s.get("transitions") or []
     decisions = s.get("freeze_decisions") or []
     moved_s = sum(t.get("seconds", 0.0) for t in transitions)
+    metric = eval_metric(run.evals)
     lines = [f"## {label}", ""]
     lines += _table(["field", "value"], [
         ["config name", run.name],
@@ -345,8 +348,8 @@ def _run_section(run: Run, label: str) -> list[str]:
         ["world size", s.get("world_size", "n/a")],
         ["steps", s.get("steps", "n/a")],
         ["train samples", s.get("train_samples", "n/a")],
-        ["final eval accuracy", _number(s.get("eval_accuracy"), ACCURACY_DIGITS)],
-        ["best eval accuracy", _number(s.get("best_eval_accuracy"), ACCURACY_DIGITS)],
+        [f"final eval {metric}", _number(s.get(f"eval_{metric}"), ACCURACY_DIGITS)],
+        [f"best eval {metric}", _number(s.get(f"best_eval_{metric}"), ACCURACY_DIGITS)],
         ["wall time (s)", _number(s.get("wall_time_s"), SECONDS_DIGITS)],
         ["samples/s", _number(s.get("samples_per_s"), RATE_DIGITS)],
         ["layout transitions", f"{len(transitions)} ({_number(moved_s, SECONDS_DIGITS)} s in total)"],
@@ -388,9 +391,11 @@ def _comparison_section(runs: Sequence[Run], labels: Sequence[str]) -> list[str]
         rows.append([label, _number(s["wall_time_s"], SECONDS_DIGITS),
                      _number(speedup(base["wall_time_s"], s["wall_time_s"]), RATIO_DIGITS),
                      _number(s.get("samples_per_s"), RATE_DIGITS), _number(ratio, RATIO_DIGITS),
-                     s.get("train_samples", "n/a"), _number(s.get("eval_accuracy"), ACCURACY_DIGITS)])
+                     s.get("train_samples", "n/a"),
+                     _number(s.get(f"eval_{eval_metric(run.evals)}"), ACCURACY_DIGITS)])
+    metrics = " / ".join(sorted({eval_metric(run.evals) for run in runs}))
     lines += _table(["run", "wall time (s)", "speed-up", "samples/s", "samples/s ratio", "train samples",
-                     "final accuracy"], rows)
+                     f"final {metrics}"], rows)
     if len({run.summary.get("train_samples") for run in runs}) > 1:
         lines += ["Note: the runs trained on different numbers of samples, so their wall times do not measure the "
                   "same work; compare the samples/s ratio instead.", ""]

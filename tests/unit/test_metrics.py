@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from jobs import event_scalars
 
-from pipetransformer.metrics import MetricsLog, tensorboard_scalars, truncate_log
+from pipetransformer.metrics import MetricsLog, eval_metric, tensorboard_scalars, truncate_log
 
 
 def _step(step: int, **fields: Any) -> dict[str, Any]:
@@ -30,6 +30,12 @@ def test_tensorboard_scalars_group_each_record() -> None:
     assert tensorboard_scalars({"event": "eval", "step": 3, "accuracy": 0.75}) == [("eval/accuracy", 0.75)]
     assert tensorboard_scalars({"event": "freeze", "step": 3, "frozen": [0, 1]}) == [("freeze/frozen_layers", 2.0)]
     assert tensorboard_scalars({"event": "checkpoint", "step": 3, "bytes": 10}) == []
+
+
+def test_an_evaluation_is_scalar_in_its_tasks_metric() -> None:
+    record = {"event": "eval", "split": "validation", "samples": 64, "epoch": 0, "step": 3, "mae": 1.25, "wall_s": 2.0}
+    assert eval_metric([record]) == "mae" and eval_metric([]) == "accuracy"
+    assert tensorboard_scalars(record) == [("eval/mae", 1.25)]
 
 
 def test_after_flush_every_event_is_on_disk_while_the_run_goes_on(tmp_path: Path) -> None:
