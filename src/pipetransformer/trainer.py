@@ -107,7 +107,10 @@ class Trainer:
         self.tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
         # The validation split (eval_set) serves evaluations during training; the test split is evaluated once, at
         # the end, and nothing during training (steps, freeze decisions, evaluations) ever reads it.
-        splits = datasets_from_config(config.data, self.tokenizer)
+        try:
+            splits = datasets_from_config(config.data, self.tokenizer)
+        except ValueError as error:  # the loaders' messages name the setting
+            raise ConfigError(f"data: {error}") from None
         self.train_set, self.eval_set, self.test_set = splits
         for warning in small_split_warnings(splits) if self.env.is_main else []:
             logger.warning(warning)
