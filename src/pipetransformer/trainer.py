@@ -553,23 +553,34 @@ class Trainer:
     def _save_best_validation(self, accuracy: float) -> None:
         """Keep the weights of the best validation accuracy so far (with checkpoints on), for one test at the end.
 
-        ``evaluate`` has just given every rank the whole current model, so rank 0 writes it alone."""
-        if not self.config.checkpoint.enabled or not self.env.is_main:
+        ``evaluate`` has just given every rank the whole current model, so rank 0 writes it alone; a failed write
+        stops every rank with its message, as a checkpoint's does."""
+        if not self.config.checkpoint.enabled:
             return
-        weights = {name: t.detach().contiguous() for name, t in self.model.state_dict().items()}
-        save_checkpoint(self._best_validation_dir(), self.progress.step, weights, {},
-                        {"validation_accuracy": accuracy}, keep=1)
+        error = ""
+        if self.env.is_main:
+            weights = {name: t.detach().contiguous() for name, t in self.model.state_dict().items()}
+            try:
+                save_checkpoint(self._best_validation_dir(), self.progress.step, weights, {},
+                                {"validation_accuracy": accuracy}, keep=1)
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
 
     def _test(self) -> dict[str, Any]:
-        """The one evaluation of the test split: the final model, then the best-validation one when it was kept."""
+        """The one evaluation of the test split: the final model, then the best-validation one when it was kept
+        (rank 0 reads it and hands it to the others, so every rank tests the same weights or none does)."""
         result: dict[str, Any] = {"test_accuracy": self.evaluate(self.test_set), "test_samples": len(self.test_set),
                                   "test_accuracy_at_best_validation": None, "best_validation_step": None}
-        best = latest_valid_checkpoint(self._best_validation_dir()) if self.config.checkpoint.enabled else None
-        if best is not None:
+        best = (latest_valid_checkpoint(self._best_validation_dir())
+                if self.config.checkpoint.enabled and self.env.is_main else None)
+        step = int(broadcast_string(str(best.step) if best is not None else "-1"))
+        if step >= 0:
+            weights = broadcast_tensors(best.weights if best is not None else None)
             with torch.no_grad():
-                self.model.load_state_dict(best.weights)
+                self.model.load_state_dict(weights)
             result["test_accuracy_at_best_validation"] = self.evaluate(self.test_set)
-            result["best_validation_step"] = best.step
+            result["best_validation_step"] = step
         if self.metrics is not None:
             self.metrics.write({"event": "test", "step": self.progress.step, **result})
         if self.env.is_main:
