@@ -79,7 +79,7 @@ class RunResult:
     repeat: int
     run_dir: str
     returncode: int
-    launcher_s: float  # process start to exit: model loading and worker start-up included
+    launcher_s: float | None  # process start to exit: model loading and worker start-up included
     load_mean: float | None  # 1-minute load average sampled while the run trained
     load_max: float | None
     summary: dict[str, Any] = field(default_factory=dict)
@@ -230,7 +230,21 @@ def run_training(name: str, config: Path, repeat: int, runs_dir: Path, overrides
     if result.ok:
         print(f"  wall {summary['wall_time_s']:.1f} s, best accuracy {summary['best_eval_accuracy']:.4f}, "
               f"load {result.load_mean:.2f}", flush=True)
+    _result_path(runs_dir, name, repeat).write_text(json.dumps(asdict(result), indent=1))
     return result
+
+
+def _result_path(runs_dir: Path, name: str, repeat: int) -> Path:
+    return runs_dir / f"{name}-r{repeat}.result.json"
+
+
+def finished_run(name: str, repeat: int, runs_dir: Path) -> RunResult | None:
+    """The result ``run_training`` recorded for this run, if it finished: lets an interrupted benchmark go on."""
+    path = _result_path(runs_dir, name, repeat)
+    if not path.is_file():
+        return None
+    result = RunResult(**json.loads(path.read_text()))
+    return result if result.ok else None
 
 
 def machine_info() -> dict[str, Any]:

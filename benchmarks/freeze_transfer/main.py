@@ -37,6 +37,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     TASKS,
     RunResult,
     ensure_backbone,
+    finished_run,
     fmt,
     machine_info,
     markdown_table,
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seeds", type=int, default=None, help="seeds per task (default: the task's own; 1 quick)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
     args = parser.parse_args(argv)
     if "ddp" not in args.configs:
         parser.error("--configs must include ddp: every accuracy is paired with it")
@@ -295,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         for seed, config in _order(args.configs, seeds):
             member = CONFIGS[config]
             overrides = [*shared, f"seed={seed}", *member.overrides]
-            results.append(run_training(config, task.config(member.family_member), seed, runs_dir, overrides,
-                                        nproc=member.nproc))
+            kept = finished_run(config, seed, runs_dir) if args.resume else None
+            if kept is not None:
+                print(f"kept {config} (repeat {seed}) from an earlier launch: {kept.run_dir}", flush=True)
+            results.append(kept or run_training(config, task.config(member.family_member), seed, runs_dir,
+                                                overrides, nproc=member.nproc))
         table = _aggregate(results, args.configs)
         sections.append(_task_markdown(task, table, seeds, shared))
         payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone, "table": table,
@@ -304,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "results-quick" if args.quick else "results"
     markdown = "\n".join([
         f"# Freeze transfer ({mode})", "",
-        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if args.quick else ''}`", "",
+        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if args.quick else ''}`"
+        + (" (resumed with `--resume`: runs an interrupted launch finished were kept)" if args.resume else ""), "",
         f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}; load average "
         f"at start {machine['load_average_at_start']}; started {machine['started']}.", "",
         "Test accuracy: the final model on the task's test split, evaluated once at the end; `vs ddp, paired`: "

@@ -19,6 +19,8 @@ NOTES = "notes.txt"
 PREVIOUS_CONFIG = "config.yaml"
 PIPE_ON = ("--set", "pipe.enabled=true")
 TINY_BUDGET = ("--set", "pipe.device_memory_gb=0.000001")
+TABLE = ("--set", "data.name=text_csv", "--set", "data.path={tmp}/table.csv")
+"""A CSV whose columns are not the default text/label (as scattertext's debates: statement, party)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ CASES = {
     "decoder_model": Case((TINY_TEXT, "--set", "model.hf_config.model_type=gpt2"), ("'gpt2'", "decoder")),
     "attention_kernel_the_model_lacks": Case((TINY_TEXT, "--set", "model.hf_config.model_type=mpnet"),
                                              ("mpnet", "model.attn_implementation", "eager")),
+    "csv_columns_not_named_2_workers": Case((TINY_TEXT, *TABLE, "--nproc-per-node", "2"),
+                                            ("'text'", "statement", "data.text_column", "data.label_column")),
+    "csv_columns_not_named": Case((TINY_TEXT, *TABLE), ("'text'", "statement", "data.text_column")),
 }
 
 
@@ -64,6 +69,7 @@ def _previous_run(run_dir: Path) -> dict[str, str]:
 def _run(case: Case, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("seed: 0\nrun: {log_every: 1\ntrain: [\n")
+    (tmp_path / "table.csv").write_text("statement,party\n" + "".join(f"words {i},p{i % 2}\n" for i in range(20)))
     args = [a.replace("{bad}", str(bad_yaml)).replace("{tmp}", str(tmp_path)) for a in case.args]
     command = [sys.executable, "-m", "pipetransformer.cli", case.command, *args]
     if case.command == "train":

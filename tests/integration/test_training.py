@@ -32,7 +32,9 @@ def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     run_job(VIT, reference, *SAVE, *GRADIENT_FREEZE, "train.max_steps=8")
     parallel = tmp_path / "parallel"
-    run_job(VIT, parallel, *SAVE, *GRADIENT_FREEZE, "train.max_steps=8", nproc=2)
+    result = run_job(VIT, parallel, *SAVE, *GRADIENT_FREEZE, "train.max_steps=8", nproc=2)
+    evaluations = len(summary(parallel)["eval_history"])
+    assert result.stderr.count("validation accuracy") == evaluations, "an evaluation was logged by every rank"
     assert_close_states(weights(parallel), weights(reference), RTOL, ATOL)
     assert_close_states(optimizer_state(parallel), optimizer_state(reference), RTOL, ATOL)
     fingerprints = summary(parallel)["rank_fingerprints"]

@@ -45,7 +45,10 @@ def load_splits(config: Config, env: DistEnv) -> DataSplits[IndexedDataset]:
     is evaluated once, at the end: nothing during training (steps, freeze decisions, evaluations) reads it."""
     # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
-    splits = datasets_from_config(config.data, tokenizer)
+    try:
+        splits = datasets_from_config(config.data, tokenizer)
+    except ValueError as error:  # the loaders' messages name the setting
+        raise ConfigError(f"data: {error}") from None
     for warning in small_split_warnings(splits) if env.is_main else []:
         logger.warning(warning)
     return splits

@@ -108,15 +108,27 @@ class Checkpointer:
 
     def save_best(self, model: BlockSequence, step: int, metric: str, value: float) -> None:
         """Keep the weights of the best validation so far (with checkpoints on). An evaluation has just given every
-        rank the whole current model, so rank 0 writes it alone."""
-        if not self.settings.enabled or not self.env.is_main:
+        rank the whole current model, so rank 0 writes it alone; a failed write stops every rank with its message."""
+        if not self.settings.enabled:
             return
-        weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-        save_checkpoint(self.directory / BEST_VALIDATION_DIR, step, weights, {}, {f"validation_{metric}": value},
-                        keep=1)
+        error = ""
+        if self.env.is_main:
+            weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+            try:
+                save_checkpoint(self.directory / BEST_VALIDATION_DIR, step, weights, {},
+                                {f"validation_{metric}": value}, keep=1)
+            except CheckpointError as failure:
+                error = str(failure)
+        raise_together(error, CheckpointError)
 
     def best(self) -> Checkpoint | None:
-        """The best-validation weights, if kept."""
+        """The best-validation weights, if kept: rank 0 reads them and hands them to the others, so every rank
+        tests the same weights or none does."""
         if not self.settings.enabled:
             return None
-        return latest_valid_checkpoint(self.directory / BEST_VALIDATION_DIR)
+        found = latest_valid_checkpoint(self.directory / BEST_VALIDATION_DIR) if self.env.is_main else None
+        step = int(broadcast_string(str(found.step) if found is not None else "-1"))
+        if step < 0:
+            return None
+        weights = broadcast_tensors(found.weights if found is not None else None)
+        return Checkpoint(self.directory / BEST_VALIDATION_DIR, step, weights, {}, found.meta if found else {})
