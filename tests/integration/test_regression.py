@@ -23,7 +23,11 @@ LEARNED = 0.6  # of the error of always predicting the training mean
 
 
 def _mean_predictor_mae() -> float:
-    splits = datasets_from_config(load_config(ROOT / "configs" / "tiny_vit.yaml").data, tokenizer=None)
+    """The test error of always predicting the training labels' mean, on the example's data."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from regression_from_python import CONFIG, OVERRIDES
+
+    splits = datasets_from_config(load_config(CONFIG, OVERRIDES).data, tokenizer=None)
     mean = float(splits.train.labels.float().mean())
     return float((splits.test.labels.float() - mean).abs().mean())
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.pipe.cluster import Device
+from pipetransformer.pipe.cluster import GIGA, Device
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -112,7 +112,7 @@ class ModelSpec:
                         optimizer_state_factor: int = ADAMW_STATE_FACTOR) -> list[dict[str, Any]]:
         """Per block and per sample: forward FLOPs, and parameter, gradient + optimizer, saved-activation
         and output bytes."""
-        return [{"name": name, "forward_gflops": work.forward_flops / 1e9, "param_bytes": work.params * FLOAT_BYTES,
+        return [{"name": name, "forward_gflops": work.forward_flops / GIGA, "param_bytes": work.params * FLOAT_BYTES,
                  "optimizer_bytes": work.params * FLOAT_BYTES * optimizer_state_factor,
                  "gradient_bytes": work.params * FLOAT_BYTES,
                  "activation_bytes": work.saved_elements * precision.activation_bytes,
