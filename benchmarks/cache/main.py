@@ -319,8 +319,8 @@ def report(result: dict[str, object]) -> str:
                 f"{cached['ideal_compute_ms']:.0f} ms active blocks + {cached['ideal_optimizer_ms']:.0f} ms AdamW"
             )
     low, high = FIRST_MEASURED_CACHED_SPEEDUP
-    lines.append(f"\nfirst measurement, before the cache was built: 4 of 6 frozen + cached, 64 tokens: {low}-{high}x; target achieved/ideal >= "
-                 f"{TARGET_IDEAL_RATIO}")
+    lines.append(f"\nfirst measurement, before the cache was built: 4 of 6 frozen + cached, 64 tokens: {low}-{high}x; "
+                 f"target achieved/ideal >= {TARGET_IDEAL_RATIO}")
     return "\n".join(lines)
 
 

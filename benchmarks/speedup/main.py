@@ -58,7 +58,7 @@ MS_PER_S = 1000.0
 ACCURACY_TOLERANCE_POINTS = 0.5
 SPEEDUP_TARGETS = {"text": {"no_freeze": 2.5, "ddp": 2.0}}
 """The issue's speed-up targets for ``all``, per task; the ViT task has an accuracy target only."""
-REFERENCE_PAD_TO = 64  # the FINDINGS measurement's fixed length, measured beside the batch's-longest one
+REFERENCE_PAD_TO = 64  # the first measurement's fixed length, measured beside the batch's-longest one
 
 
 def _layout_path(summary: dict[str, Any]) -> str:

@@ -62,7 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the result (written by rank 0)")
     parser.add_argument("--pad-to", type=int, default=None,
-                        help="fixed sequence length (the FINDINGS measurement used 64); default: batch's longest")
+                        help="fixed sequence length (the first measurement, before the cache was built, used 64); "
+                        "default: batch's longest")
     parser.add_argument("--steps", type=int, default=TIMED_STEPS)
     args = parser.parse_args()
 
