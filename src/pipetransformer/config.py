@@ -124,6 +124,7 @@ class FreezeConfig:
     min_window_steps: int = 10  # interval_unit fraction: no window shorter than this many steps
     alpha: float = 1 / 3  # geometric pace, the safety cap of coherence/gradient: fraction of the remaining layers frozen per decision
     threshold: float = 0.2  # coherence policy: a layer whose gradient coherence stays below this (after it learned) has converged
+    max_advance: int | None = None  # coherence policy: at most this many more layers freeze per decision (null: no limit)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     max_fraction: float = 0.84  # at most this fraction of the layers ever freezes
@@ -235,6 +236,8 @@ class Config:
         self._validate_freeze_interval()
         if not 0.0 < self.freeze.threshold < 1.0:
             raise ConfigError(f"freeze.threshold must be in (0, 1), got {self.freeze.threshold}")
+        if self.freeze.max_advance is not None and self.freeze.max_advance < 1:
+            raise ConfigError(f"freeze.max_advance must be >= 1 (or null), got {self.freeze.max_advance}")
         if not 0.0 < self.freeze.alpha <= 1.0:
             raise ConfigError(f"freeze.alpha must be in (0, 1], got {self.freeze.alpha}")
         if not 0.0 <= self.freeze.percentile <= 100.0:

@@ -423,6 +423,19 @@ def test_coherence_is_capped_by_the_geometric_bound_and_records_it() -> None:
     assert policy.cap_binds == 1
 
 
+def test_coherence_max_advance_freezes_converged_layers_a_few_at_a_time() -> None:
+    norms, dots = coherence_trace([LEARNING] + [[0.01] * NUM_LAYERS] * 5)
+    unlimited = run(build("coherence", alpha=1.0, max_fraction=0.84), norms, dots=dots)
+    policy = build("coherence", alpha=1.0, max_fraction=0.84, max_advance=2)
+    limited = run(policy, norms, dots=dots)
+    assert frozen_counts(unlimited) == [0, 0, 5, 5, 5, 5]  # every layer converged at once
+    assert frozen_counts(limited) == [0, 0, 2, 4, 5, 5]
+    assert [d.details["advance_limit"] for d in limited if d] == [2, 4, 6]
+    assert policy.cap_binds == 0  # the advance limit is the policy's own pace, not the geometric cap
+    with pytest.raises(ValueError, match="max_advance"):
+        build("coherence", max_advance=0)
+
+
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
     """Real vectors, 10k dimensions: every layer's gradient keeps its direction for a window; then layers 0-2
     turn into independent noise around zero while layers 3-5 keep a signal as large as their noise."""

@@ -397,7 +397,8 @@ class CoherencePolicy(FreezePolicy):
     has not converged freeze (a layer still learning keeps itself and everything above it training, since its input
     must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
     lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
-    safety cap, as does ``max_fraction``.
+    safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most that many more layers
+    freeze per decision, so the layers above keep adapting while the next ones are tested again.
     """
 
     name = "coherence"
@@ -411,10 +412,12 @@ class CoherencePolicy(FreezePolicy):
         max_fraction: float,
         alpha: float,
         threshold: float,
+        max_advance: int | None = None,
     ) -> None:
         super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
         self.alpha = alpha
         self.threshold = threshold
+        self.max_advance = max_advance
         self.decisions = 0
         self.previous_coherence: list[float | None] = [None] * num_layers
         self.learned = [False] * num_layers  # a window with coherence at or above the threshold was seen
@@ -465,6 +468,9 @@ class CoherencePolicy(FreezePolicy):
         details = {"decision_index": self.decisions, "coherence": coherence, "previous_coherence": previous,
                    "threshold": self.threshold,
                    "candidate": candidate, "bound": bound, "cap": self.max_frozen}
+        if self.max_advance is not None:
+            details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
+            candidate = min(candidate, details["advance_limit"])
         return self._bounded_prefix(candidate, bound), details
 
     def state_dict(self) -> dict[str, Any]:
@@ -522,6 +528,7 @@ def make_policy(
     schedule: Sequence[Sequence[int]] | None = None,
     max_change: float | None = None,
     threshold: float = 0.1,
+    max_advance: int | None = None,
     seed: int,
 ) -> FreezePolicy:
     """Build a policy by its config name, checking every argument with an error that says what to set.
@@ -548,11 +555,13 @@ def make_policy(
         raise ValueError(f"freeze.max_change must be > 0 (or null), got {max_change}")
     if not 0.0 < threshold < 1.0:
         raise ValueError(f"freeze.threshold must be in (0, 1), got {threshold}")
+    if max_advance is not None and max_advance < 1:
+        raise ValueError(f"freeze.max_advance must be >= 1 (or null), got {max_advance}")
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
     if name == "coherence":
-        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, **common)
+        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, max_advance=max_advance, **common)
     if name == "gradient":
         return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
@@ -588,4 +597,5 @@ def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_ste
     return make_policy(name, num_layers, interval=int(interval),
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
-                       max_change=settings.max_change, threshold=settings.threshold, seed=seed)
+                       max_change=settings.max_change, threshold=settings.threshold,
+                       max_advance=settings.max_advance, seed=seed)
