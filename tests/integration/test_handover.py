@@ -79,6 +79,7 @@ def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None
             fresh.state[param] = values
         _train_a_step(model, fresh, device)
     torch.save(state, f"{out}/rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
     dist.destroy_process_group()
 
 

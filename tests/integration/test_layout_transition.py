@@ -82,6 +82,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 "weights": {k: v.clone() for k, v in model.state_dict().items()},
                 "optimizer": optimizer.state_dict(received)}, f"{out}/rank{rank}.pt")
     elastic.close()
+    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
     dist.destroy_process_group()
 
 

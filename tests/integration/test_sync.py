@@ -41,6 +41,7 @@ def _worker(rank: int, port: int, out: str, overlap: bool) -> None:
                    f"{out}/rank{rank}-step{step}.pt")
         model.zero_grad(set_to_none=True)
     sync.close()
+    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
     dist.destroy_process_group()
 
 
