@@ -103,6 +103,7 @@ class TrainConfig:
     eval_every_steps: int | None = None  # null = at every epoch end; N = every N steps (not at epoch ends)
     eval_batch_size: int = 128  # evaluation is sharded over every worker
     drop_last: bool = False  # drop an epoch's short last batch instead of training on it
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: forwards under bf16 autocast; weights, gradients and optimizer state stay fp32
 
 
 @dataclass
@@ -140,6 +141,7 @@ class PipeConfig:
     device_memory_gb: float | None = None  # per-device budget for the partitioner (CPU: a budget you set)
     link_bandwidth_gbps: float = 10.0  # stage-to-stage bandwidth assumed by the cost model (GB/s)
     profile: bool = True  # measure block costs on the device; false = analytical estimate
+    recompute: bool = False  # the planner may recompute chosen blocks' activations in backward to fit device_memory_gb, when predicted faster than another stage
 
 
 @dataclass
@@ -259,6 +261,14 @@ class Config:
             raise ConfigError(f"cache.memory_gb must be >= 0, got {self.cache.memory_gb}")
         if self.cache.min_frozen < 1:
             raise ConfigError(f"cache.min_frozen must be >= 1, got {self.cache.min_frozen}")
+        if self.pipe.recompute and not self.pipe.enabled:
+            raise ConfigError("pipe.recompute is a lever of AutoPipe's planner: set pipe.enabled: true")
+        if self.pipe.recompute and self.pipe.device_memory_gb is None:
+            raise ConfigError("pipe.recompute trades speed for memory under pipe.device_memory_gb: set a budget, "
+                              "or pipe.recompute: false")
+        if self.pipe.recompute and self.pipe.stages == "auto" and self.pipe.enabled and not self.dp.enabled:
+            raise ConfigError("pipe.recompute with pipe.stages: auto weighs stages against replicas: set "
+                              "dp.enabled: true, or fix pipe.stages")
         if self.dp.enabled and not self.pipe.enabled:
             raise ConfigError("dp.enabled (elastic data parallelism) needs pipe.enabled: true, "
                               "because its replicas come from compressing the pipeline")

@@ -43,6 +43,7 @@ def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
     from pipetransformer.data import datasets_from_config
     from pipetransformer.models import build_model, load_tokenizer, minilm_path
     from pipetransformer.pipe.profile import PROFILE_BATCH
+    from pipetransformer.train.build import COMPUTE_DTYPES
 
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     train = datasets_from_config(replace(config.data, max_train_samples=PROFILE_BATCH), tokenizer).train
@@ -50,6 +51,7 @@ def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
                         hf_config=config.model.hf_config, pooling=config.model.pooling,
                         vit=dict(config.model.vit) if config.model.kind == "vit" else None,
                         attn_implementation=config.model.attn_implementation)
+    model.compute_dtype = COMPUTE_DTYPES[config.train.precision]  # profiled as it will train
     pad = config.data.max_length if train.task == "text" else None
     inputs = train.get_batch(list(range(min(PROFILE_BATCH, len(train)))), pad_to=pad).inputs
     return model, inputs, train.num_classes
@@ -75,7 +77,8 @@ def _profiled(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[st
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],
                 frozen_blocks: int = 0, cached_blocks: int = 0) -> dict[str, Any]:
     plan = plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
-                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks)
+                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
+                       precision=Precision(config.train.precision))
     per_replica = max(1, config.train.batch_size // plan.layout.dp_width)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     return {
@@ -105,7 +108,9 @@ def plan_command(config: Config, world_size: int, as_json: bool) -> int:
         print(f"{b['name']:<12} {b['forward_ms_per_sample']:>9.3f} {b['backward_ms_per_sample']:>9.3f} "
               f"{b['output_bytes'] / 1e3:>8.1f} {b['param_bytes'] / 1e6:>9.2f} {b['activation_bytes'] / 1e3:>8.1f}")
     print(f"\nworkers {world_size}: {report['stages']} stage(s) x {report['dp_width']} replica(s), "
-          f"{report['micro_batches']} micro-batch(es)")
+          f"{report['micro_batches']} micro-batch(es)"
+          + (f", recomputing blocks {', '.join(map(str, report['recomputed_blocks']))}"
+             if report["recomputed_blocks"] else ""))
     for i, ((start, end), ms, mem) in enumerate(zip(report["bounds"], report["stage_ms"],
                                                     report["stage_memory_bytes"], strict=True)):
         print(f"  stage {i}: blocks {start}..{end - 1}  {ms:.1f} ms per {report['stage_ms_samples']} samples  "

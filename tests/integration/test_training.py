@@ -20,6 +20,7 @@ ATOL = 1e-7
 VIT = "tiny_vit.yaml"
 TEXT = "tiny_text.yaml"
 SAVE = ("run.save_model=true", "run.record_samples=true")
+BF16_LOSS_RTOL = 2e-2  # a bf16 forward's step losses against fp32 over 8 steps of the tiny ViT
 
 
 GRADIENT_FREEZE = ("freeze.enabled=true", "freeze.policy=gradient", "freeze.interval=1", "freeze.interval_unit=steps",
@@ -188,3 +189,26 @@ def test_lr_schedule_and_progress_span_the_samples_when_the_batch_grows_and_tail
     # The last step trains samples 360..392 of 400 (its epoch's 8 last ones dropped): one batch and a tail from the end.
     assert steps[-1]["lr"] == pytest.approx(peak * (1 - (total - 40 - warmup_samples) / (total - warmup_samples)))
     assert f"{total}/{total}" in result.stderr, "the progress bar (in samples) did not reach its total"
+
+
+def test_recomputation_chosen_for_a_budget_trains_as_without_it_and_bf16_close_to_it(tmp_path: Path) -> None:
+    """Under a budget one stage fits only by recomputing (a second stage would also fit): the planner picks
+    recomputation, drops it once two layers freeze, and the run equals the same layout without a budget
+    exactly. The same run in bf16 stays within a stated tolerance of the fp32 losses."""
+    common = (*SAVE, "train.max_steps=8", "pipe.enabled=true", "dp.enabled=true", "cache.enabled=true",
+              "freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[4,2]]")
+    budget = ("pipe.device_memory_gb=0.007", "pipe.recompute=true")
+    plain, recomputed, bf16 = tmp_path / "plain", tmp_path / "recomputed", tmp_path / "bf16"
+    run_job(VIT, plain, *common, nproc=2)
+    run_job(VIT, recomputed, *common, *budget, nproc=2)
+    run_job(VIT, bf16, *common, *budget, "train.precision=bf16", nproc=2)
+    history = summary(recomputed)["layout_history"]
+    assert [(h["stages"], h["dp_width"], h["frozen_layers"]) for h in history] == [(1, 2, 0), (1, 2, 2)]
+    assert history[0]["recomputed_blocks"] and history[1]["recomputed_blocks"] == []
+    assert all(not h["recomputed_blocks"] for h in summary(plain)["layout_history"])
+    losses = [r["loss"] for r in logged_records(plain, "step")]
+    assert [r["loss"] for r in logged_records(recomputed, "step")] == losses
+    for name, tensor in weights(plain).items():
+        assert torch.equal(weights(recomputed)[name], tensor), name
+    bf16_losses = [r["loss"] for r in logged_records(bf16, "step")]
+    assert bf16_losses != losses and bf16_losses == pytest.approx(losses, rel=BF16_LOSS_RTOL)

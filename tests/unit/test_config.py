@@ -100,6 +100,7 @@ def test_non_finite_numbers_are_rejected(value: float) -> None:
     ({"model": {"kind": "gpt"}}, "model.kind", "'vit'"),
     ({"pipe": {"stages": "many"}}, "pipe.stages", "'auto'"),
     ({"pipe": {"schedule": "1F1B"}}, "pipe.schedule", "'1f1b'"),
+    ({"train": {"precision": "fp16"}}, "train.precision", "'fp32' | 'bf16'"),
 ])
 def test_literal_values_list_the_allowed_ones(values: dict[str, Any], key: str, allowed: str) -> None:
     message = _error(values)
@@ -140,6 +141,9 @@ def test_numbers_out_of_range_name_the_key(key: str, value: float) -> None:
     ({"freeze": {"schedule": [[-1, 2]]}}, "freeze.schedule"),
     ({"freeze": {"schedule": [[5, 2], [3, 4]]}}, "freeze.schedule"),
     ({"freeze": {"schedule": [[1, 4], [3, 2]]}}, "freeze.schedule"),
+    ({"pipe": {"recompute": True, "device_memory_gb": 1.0}}, "set pipe.enabled: true"),
+    ({"pipe": {"enabled": True, "recompute": True}}, "set a budget"),
+    ({"pipe": {"enabled": True, "recompute": True, "device_memory_gb": 1.0}}, "set dp.enabled: true, or fix pipe.stages"),
 ])
 def test_cross_field_rules(values: dict[str, Any], needle: str) -> None:
     assert needle in _error(values)
@@ -150,6 +154,8 @@ def test_cross_field_rules_accept_consistent_settings() -> None:
                                "freeze": {"enabled": True, "policy": "schedule", "schedule": [[1, 2], [3, 2]]},
                                "cache": {"enabled": True}})
     assert config.dp.enabled and config.freeze.schedule == [[1, 2], [3, 2]]
+    fixed = config_from_dict({"pipe": {"enabled": True, "stages": 2, "recompute": True, "device_memory_gb": 1.0}})
+    assert fixed.pipe.recompute
 
 
 def test_overrides_set_nested_keys_with_yaml_values() -> None:

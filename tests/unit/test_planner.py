@@ -62,3 +62,36 @@ def test_1f1b_plans_at_least_one_micro_batch_per_stage(micro_batches: str) -> No
 def test_each_step_gets_equal_micro_batches_its_schedule_accepts(rows: int, planned: int, schedule: str,
                                                                   expected: tuple[int, str]) -> None:
     assert step_micro_batches(rows, planned, stages=2, schedule=schedule) == expected
+
+
+# Layers save 1 MB a sample but pass on 0.1 MB, so recomputing one keeps 0.1 MB of its 1 MB.
+RECOMPUTE_COSTS = [
+    BlockCost(forward_s=1e-4, backward_s=2e-4, output_bytes=100_000, param_bytes=1_000, activation_bytes=100_000),
+    *[BlockCost(forward_s=1e-3, backward_s=2e-3, output_bytes=100_000, param_bytes=1_000,
+                activation_bytes=1_000_000)] * 4,
+    BlockCost(forward_s=1e-5, backward_s=2e-5, output_bytes=8, param_bytes=1_000, activation_bytes=100_000),
+]
+# 8 a replica on 2 workers: one stage holds 8 x 4.2 MB, over the budget; recomputing 2 layers, 8 x 2.4 MB + the 8 MB
+# one layer rebuilds. Two 1F1B stages hold 2 micro-batches of 2 samples x 2.1 MB.
+RECOMPUTE_BATCH = 16
+RECOMPUTE_BUDGET_GB = 0.03
+
+
+def _lever_plan(recompute: bool, frozen_blocks: int = 0) -> object:
+    config = load_config(CONFIG, [f"train.batch_size={RECOMPUTE_BATCH}", "pipe.enabled=true", "dp.enabled=true",
+                                  f"pipe.device_memory_gb={RECOMPUTE_BUDGET_GB}", f"pipe.recompute={recompute}",
+                                  "pipe.schedule=1f1b", "pipe.micro_batches=8"])
+    return plan_layout(config.pipe, RECOMPUTE_COSTS, 2, elastic=True, batch_size=RECOMPUTE_BATCH,
+                       frozen_blocks=frozen_blocks, cached_blocks=frozen_blocks)
+
+
+def test_pipe_recompute_trades_a_second_stage_for_recomputation_and_drops_it_after_a_freeze() -> None:
+    plain = _lever_plan(recompute=False)
+    assert (plain.layout.num_stages, plain.recomputed_blocks) == (2, ()), "only a second stage fits without it"
+    # Two stages of 8 micro-batches pay 2 x 8 x 20 ms of per-micro-batch overhead on this machine's estimate; the
+    # recomputed forwards of two layers cost 16 ms: one stage x 2 replicas wins.
+    chosen = _lever_plan(recompute=True)
+    assert (chosen.layout.num_stages, chosen.layout.dp_width) == (1, 2)
+    assert chosen.recomputed_blocks == (2, 4) and chosen.describe()["recomputed_blocks"] == [2, 4]
+    after = _lever_plan(recompute=True, frozen_blocks=3)  # embeddings and 2 layers frozen and cached
+    assert (after.layout.num_stages, after.recomputed_blocks) == (1, ())

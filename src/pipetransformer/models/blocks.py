@@ -8,15 +8,17 @@ The head returns a 1-tuple ``(logits,)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 Activation = tuple[torch.Tensor, ...]
 
-__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "run_blocks"]
+__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "autocast_to", "run_blocks"]
 
 
 class BlockSplitError(ValueError):
@@ -35,9 +37,29 @@ def as_activation(value: torch.Tensor | Sequence[torch.Tensor]) -> Activation:
     return activation
 
 
-def run_blocks(blocks: Sequence[nn.Module], activation: Activation) -> Activation:
-    for block in blocks:
-        activation = as_activation(block(*activation))
+def autocast_to(compute_dtype: torch.dtype | None, activation: Activation) -> AbstractContextManager[object]:
+    """Autocast to ``compute_dtype`` on the activation's device; None leaves the caller's precision alone."""
+    if compute_dtype is None or not activation:
+        return nullcontext()
+    return torch.autocast(activation[0].device.type, dtype=compute_dtype)
+
+
+def run_blocks(blocks: Sequence[nn.Module], activation: Activation, recompute: Collection[int] = (),
+               compute_dtype: torch.dtype | None = None) -> Activation:
+    """Run ``blocks`` in order.
+
+    Blocks whose position is in ``recompute`` keep only their input for backward and run their forward again
+    there (non-reentrant activation checkpointing; the RNG state is restored, so dropout draws the same masks
+    and the gradients are those of a plain run). ``compute_dtype`` (e.g. bf16) runs them under autocast on the
+    activation's device: weights, gradients and optimizer state stay fp32.
+    """
+    with autocast_to(compute_dtype, activation):
+        for position, block in enumerate(blocks):
+            if position in recompute and torch.is_grad_enabled():
+                output = checkpoint(block, *activation, use_reentrant=False, preserve_rng_state=True)
+            else:
+                output = block(*activation)
+            activation = as_activation(output)
     return activation
 
 
@@ -72,6 +94,7 @@ class BlockSequence(nn.Module):
             raise BlockSplitError("a block sequence needs at least one transformer layer")
         self.blocks = nn.ModuleList([embeddings, *layers, head])
         self.task = task
+        self.compute_dtype: torch.dtype | None = None  # autocast dtype of every forward (train.precision)
 
     @property
     def num_layers(self) -> int:
@@ -84,9 +107,12 @@ class BlockSequence(nn.Module):
     def block_names(self) -> list[str]:
         return ["embeddings", *(f"layer_{i}" for i in range(self.num_layers)), "head"]
 
-    def forward_range(self, activation: Activation, start: int, end: int) -> Activation:
-        """Run blocks ``start .. end-1`` on ``activation``."""
-        return run_blocks(list(self.blocks)[start:end], activation)
+    def forward_range(self, activation: Activation, start: int, end: int, recompute: Collection[int] = ()) -> Activation:
+        """Run blocks ``start .. end-1`` on ``activation``, recomputing the blocks (model indices) in ``recompute``.
+        The head's output leaves in fp32, so losses and metrics never see the compute dtype."""
+        activation = run_blocks(list(self.blocks)[start:end], activation,
+                                [i - start for i in recompute if start <= i < end], self.compute_dtype)
+        return (activation[0].float(),) if end == len(self.blocks) else activation
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.forward_range(tuple(inputs), 0, len(self.blocks))[0]

@@ -28,6 +28,7 @@ __all__ = [
     "Link",
     "Precision",
     "StageTiming",
+    "block_states",
     "analytic_costs",
     "analytic_work",
     "block_memory",
@@ -98,6 +99,12 @@ class BlockState(Enum):
     CACHED = "cached"
     FROZEN = "frozen"
     ACTIVE = "active"
+
+
+def block_states(num_blocks: int, frozen_blocks: int, cached_blocks: int) -> list[BlockState]:
+    """The leading ``cached_blocks`` cached, the rest of the ``frozen_blocks`` frozen, the others active."""
+    return [BlockState.CACHED if i < cached_blocks else BlockState.FROZEN if i < frozen_blocks else BlockState.ACTIVE
+            for i in range(num_blocks)]
 
 
 _STATE_ORDER = {BlockState.CACHED: 0, BlockState.FROZEN: 1, BlockState.ACTIVE: 2}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipetransformer.pipe.cluster import Cluster
-from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, BlockCost, BlockState, Precision, recomputed
+from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, BlockCost, BlockState, Precision, block_states, recomputed
 from pipetransformer.pipe.layout import valid_stage_counts
 from pipetransformer.pipe.partition import (
     DEFAULT_MAX_MICRO_BATCH_FACTOR,
@@ -29,7 +29,6 @@ from pipetransformer.pipe.partition import (
     partition,
     predict_step_time,
 )
-from pipetransformer.pipe.planner import block_states
 from pipetransformer.pipe.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
 
 __all__ = [
@@ -298,11 +297,11 @@ def choose_levers(
     Ties go to fewer recomputed blocks, then fp32, then fewer stages. Raises :class:`NoLayoutError` (a
     :class:`PartitionError`) when nothing fits.
     """
-    fp32 = costs.get(Precision.FP32)
-    if fp32 is None:
-        raise ValueError("choose_levers needs fp32 block costs")
-    states = block_states(len(fp32), frozen_blocks, cached_blocks)
-    runnable = len(fp32) - cached_blocks
+    known = [precision_costs for precision_costs in costs.values() if precision_costs is not None]
+    if not known:
+        raise ValueError("choose_levers needs block costs in at least one precision")
+    states = block_states(len(known[0]), frozen_blocks, cached_blocks)
+    runnable = len(known[0]) - cached_blocks
     counts = settings.stage_counts or tuple(valid_stage_counts(cluster.world_size))
     candidates = []
     for precision in settings.precisions:

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipetransformer.config import BYTES_PER_GB, PipeConfig
-from pipetransformer.pipe.cost import BlockCost, BlockState, Link
+from pipetransformer.pipe.cluster import local_cluster
+from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
 from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
+from pipetransformer.pipe.levers import LeverSettings, NoLayoutError, choose_levers
 from pipetransformer.pipe.partition import Partition, PartitionError, choose_micro_batches, compress, partition
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
@@ -33,6 +35,7 @@ class LayoutPlan:
     micro_batches: int
     cached_blocks: int  # leading blocks served from the cache (not run by any stage)
     frozen_blocks: int  # leading frozen blocks (cached or run without autograd on stage 0)
+    recomputed_blocks: tuple[int, ...] = ()  # active blocks that keep only their input for backward
 
     def held_bounds(self) -> list[tuple[int, int]]:
         """Blocks each stage's ranks hold: stage 0 also holds the prefix it serves or computes."""
@@ -48,12 +51,8 @@ class LayoutPlan:
             "bounds": [list(b) for b in self.partition.bounds],
             "cached_blocks": self.cached_blocks,
             "frozen_blocks": self.frozen_blocks,
+            "recomputed_blocks": list(self.recomputed_blocks),
         }
-
-
-def block_states(num_blocks: int, frozen_blocks: int, cached_blocks: int) -> list[BlockState]:
-    return [BlockState.CACHED if i < cached_blocks else BlockState.FROZEN if i < frozen_blocks else BlockState.ACTIVE
-            for i in range(num_blocks)]
 
 
 def _budget_bytes(pipe: PipeConfig) -> int:
@@ -64,14 +63,19 @@ def _budget_bytes(pipe: PipeConfig) -> int:
 
 def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, elastic: bool, batch_size: int,
                 frozen_blocks: int, cached_blocks: int, dp_width: int | None = None,
-                global_batch: Callable[[int], int] | None = None) -> LayoutPlan:
+                global_batch: Callable[[int], int] | None = None, precision: Precision = Precision.FP32) -> LayoutPlan:
     """The layout for the current freeze state.
 
     ``pipe.stages: auto`` compresses to the fewest stages that fit ``pipe.device_memory_gb``. With ``elastic``
     (``dp.enabled``) the freed ranks become replicas (width = world / stages); without it the width stays
     ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
     ``global_batch`` gives the global batch for a width (``dp.batch_policy``); default: ``batch_size``.
+    With ``pipe.recompute`` the lever planner (:func:`.levers.choose_levers`) weighs stages against
+    recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in ``precision``.
     """
+    if pipe.recompute:
+        return _plan_with_levers(pipe, costs, world_size, batch_size=batch_size, frozen_blocks=frozen_blocks,
+                                 cached_blocks=cached_blocks, global_batch=global_batch, precision=precision)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(pipe.link_bandwidth_gbps * BYTES_PER_GB)
     budget = _budget_bytes(pipe)
@@ -136,6 +140,42 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
         if pipe.schedule == ONE_F_ONE_B:
             micro = max(micro, stages)
     return LayoutPlan(Layout(stages, width), part, micro, cached_blocks, frozen_blocks)
+
+
+def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, batch_size: int,
+                      frozen_blocks: int, cached_blocks: int, global_batch: Callable[[int], int] | None,
+                      precision: Precision) -> LayoutPlan:
+    """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
+    config checks that the replicas are world / stages: AutoDP on, or the stages fixed)."""
+    cluster = local_cluster(world_size, memory_gb=pipe.device_memory_gb,
+                            link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
+                            flops_per_second=math.inf,  # never read: the block costs are given
+                            micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
+    if not pipe.enabled:
+        stage_counts: tuple[int, ...] | None = (1,)
+    elif pipe.stages == "auto":
+        stage_counts = None
+    else:
+        stage_counts = (int(pipe.stages),)
+        if stage_counts[0] not in valid_stage_counts(world_size):
+            raise LayoutError(f"pipe.stages={stage_counts[0]} does not divide the {world_size} workers; "
+                              f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+    settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
+                             micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
+                             precisions=(precision,), recompute=True, stage_counts=stage_counts)
+
+    def replica_batch(replicas: int) -> int:
+        return max(1, (global_batch(replicas) if global_batch else batch_size) // replicas)
+
+    try:
+        chosen = choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
+                               replica_batch=replica_batch, settings=settings).chosen
+    except NoLayoutError as error:
+        raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for {world_size} "
+                             f"workers: {error}") from None
+    assert chosen.partition is not None
+    return LayoutPlan(Layout(chosen.stages, chosen.replicas), chosen.partition, max(1, chosen.micro_batches),
+                      cached_blocks, frozen_blocks, chosen.recomputed)
 
 
 def step_micro_batches(rows: int, planned: int, stages: int, schedule: str) -> tuple[int, str]:

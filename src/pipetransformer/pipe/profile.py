@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pipetransformer.models.blocks import Activation, BlockSequence, as_activation
+from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
 __all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "analytic_block_work", "estimate_block_costs",
@@ -73,7 +73,8 @@ def _timed(run: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
 
 
 def _profile_block(
-    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int, needs_input_grad: bool
+    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int, needs_input_grad: bool,
+    compute_dtype: torch.dtype | None,
 ) -> tuple[BlockCost, Activation]:
     """Each run is one forward and one backward, timed apart; the first run also records saved tensors
     (it is a warm-up run unless ``warmup`` is 0)."""
@@ -85,7 +86,7 @@ def _profile_block(
         inputs = _with_input_grads(activation, needs_input_grad)
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack) if run == 0 else nullcontext()
         with hooks:
-            output, forward_s = _timed(lambda: as_activation(block(*inputs)), device)
+            output, forward_s = _timed(lambda: run_blocks([block], inputs, compute_dtype=compute_dtype), device)
         outputs = [t for t in output if t.requires_grad]
         _, backward_s = _timed(lambda: torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs]), device)
         forward_times.append(forward_s)
@@ -123,7 +124,8 @@ def _training_everything(model: nn.Module) -> Iterator[None]:
 def profile_blocks(
     model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, warmup: int = 1, repeats: int = 3
 ) -> list[BlockCost]:
-    """Per-sample forward/backward seconds (medians), output, parameter and saved-activation bytes of each block.
+    """Per-sample forward/backward seconds (medians), output, parameter and saved-activation bytes of each block,
+    in the model's compute dtype.
 
     ``example_inputs`` is one batch of model inputs (batch dimension first), on the model's device.
     """
@@ -135,7 +137,7 @@ def profile_blocks(
     with _training_everything(model):
         for index, block in enumerate(model.blocks):
             cost, activation = _profile_block(block, activation, batch_size, warmup, repeats,
-                                              needs_input_grad=index > 0)
+                                              needs_input_grad=index > 0, compute_dtype=model.compute_dtype)
             costs.append(cost)
     return costs
 

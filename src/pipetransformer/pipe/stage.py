@@ -7,7 +7,7 @@ sequence, rounded up to a bucket, so there are few shapes) and reused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,18 +26,23 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class StageModule(nn.Module):
     """Blocks ``[start, end)`` of the model as one pipeline stage.
 
-    The last stage unwraps the head's 1-tuple so the schedule's loss function gets the logits tensor.
+    The last stage unwraps the head's 1-tuple so the schedule's loss function gets the logits tensor, in fp32
+    whatever ``compute_dtype`` ran the blocks. ``recompute``: positions (in ``blocks``) of the blocks that keep
+    only their input for backward.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], is_last: bool) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], is_last: bool, recompute: Collection[int] = (),
+                 compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.is_last = is_last
+        self.recompute = tuple(recompute)
+        self.compute_dtype = compute_dtype
 
     def forward(self, *activation: torch.Tensor) -> torch.Tensor | Activation:
-        out = run_blocks(list(self.blocks), tuple(activation))
+        out = run_blocks(list(self.blocks), tuple(activation), self.recompute, self.compute_dtype)
         if self.is_last:
-            return out[0]
+            return out[0].float()
         return tuple(t.contiguous() for t in out)
 
 

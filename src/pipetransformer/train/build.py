@@ -20,6 +20,8 @@ __all__ = ["build_blocks", "example_inputs", "load_splits", "resolve_run_dir", "
 
 logger = logging.getLogger(__name__)
 
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+"""``train.precision`` -> the autocast dtype of every forward (None: the weights' own fp32)."""
 RUNS_DIR = "runs"
 DEFAULT_RUN_NAME = "run"
 
@@ -64,6 +66,7 @@ def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSeq
     except (ValueError, TypeError) as error:  # the adapters' messages name the setting
         raise ConfigError(f"model: {error}") from None
     model.train()
+    model.compute_dtype = COMPUTE_DTYPES[config.train.precision]
     return model
 
 

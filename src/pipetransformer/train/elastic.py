@@ -22,7 +22,7 @@ from pipetransformer.distributed import DistEnv, new_groups
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
 from pipetransformer.dp.sync import GradientSync
 from pipetransformer.faults import maybe_fail
-from pipetransformer.pipe.cost import BlockCost
+from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.pipe.layout import transfer_plan
 from pipetransformer.pipe.planner import LayoutPlan, plan_layout
 from pipetransformer.pipe.profile import PROFILE_BATCH, estimate_block_costs
@@ -73,13 +73,15 @@ class _HeldBlocks:
 class ElasticLayout:
     """The current plan and this rank's place in it; ``transition`` moves the run to another plan."""
 
-    def __init__(self, context: StepContext, env: DistEnv, *, pipe: PipeConfig, dp: DPConfig, batch_size: int) -> None:
+    def __init__(self, context: StepContext, env: DistEnv, *, pipe: PipeConfig, dp: DPConfig, batch_size: int,
+                 precision: Precision = Precision.FP32) -> None:
         self.context = context
         self.model = context.model
         self.env = env
         self.pipe = pipe
         self.dp = dp
         self.batch_size = batch_size  # train.batch_size: the global batch at the starting width
+        self.precision = precision  # train.precision: what the profiled costs were measured in
         self.initial_width: int | None = None  # set by the first layout (or a resume on as many workers)
         self._placement: Placement | None = None
         self.executor: StepExecutor | None = None  # None on idle ranks
@@ -107,7 +109,8 @@ class ElasticLayout:
         """AutoPipe's layout for this freeze state; with AutoDP its width is what the stages leave."""
         return plan_layout(self.pipe, self.costs(), self.env.world_size, elastic=self.dp.enabled,
                            batch_size=self.batch_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                           dp_width=self.initial_width, global_batch=self.global_batch)
+                           dp_width=self.initial_width, global_batch=self.global_batch,
+                           precision=self.precision)
 
     def global_batch(self, width: int | None = None) -> int:
         """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it

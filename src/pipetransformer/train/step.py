@@ -89,7 +89,8 @@ class LocalStep:
         ctx = self.context
         with timer.phase("forward"):
             activation = ctx.prefix.prefix(batch, self.plan)
-            outputs = ctx.model.forward_range(activation, self.plan.frozen_blocks, len(ctx.model))[0]
+            outputs = ctx.model.forward_range(activation, self.plan.frozen_blocks, len(ctx.model),
+                                              recompute=self.plan.recomputed_blocks)[0]
             loss = ctx.task.loss(outputs, ctx.task.targets(batch.labels).to(ctx.device)) / global_rows
         with timer.phase("backward"):
             loss.backward()
@@ -128,7 +129,9 @@ class PipelineStep:
         start, end = plan.partition.bounds[stage]
         if stage == 0:
             start = max(start, plan.frozen_blocks)
-        module = StageModule([context.model.blocks[i] for i in range(start, end)], is_last=stage == stages - 1)
+        module = StageModule([context.model.blocks[i] for i in range(start, end)], is_last=stage == stages - 1,
+                             recompute=[i - start for i in plan.recomputed_blocks if start <= i < end],
+                             compute_dtype=context.model.compute_dtype)
         self.loss = _GlobalMeanLoss(context.task.loss)
         self.runner = PipelineRunner(module, stage, stages, context.device, group, self.loss)
 

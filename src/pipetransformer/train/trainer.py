@@ -21,6 +21,7 @@ from pipetransformer.data.sampler import ElasticSampler
 from pipetransformer.distributed import init_distributed, shutdown_distributed
 from pipetransformer.metrics import StepTimer
 from pipetransformer.optim import lr_at
+from pipetransformer.pipe.cost import Precision
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.autocache import AutoCache
 from pipetransformer.train.autofreeze import AutoFreeze
@@ -63,7 +64,8 @@ class Trainer:
         self.cache = AutoCache(self.model, env, config.cache, train_set=self.train_set, eval_samples=len(self.eval_set),
                                max_length=max_length)
         context = StepContext(self.model, self.task, self.train_set, max_length, env.device, self.cache)
-        self.layout = ElasticLayout(context, env, pipe=config.pipe, dp=config.dp, batch_size=batch)
+        self.layout = ElasticLayout(context, env, pipe=config.pipe, dp=config.dp, batch_size=batch,
+                                    precision=Precision(config.train.precision))
         self.evaluator = Evaluator(self.model, self.task, env, batch_size=config.train.eval_batch_size,
                                    layout=self.layout, cache=self.cache)
         self.state = TrainState(model=self.model, optimizer=self.optimizer, sampler=self.sampler,
