@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from pipetransformer.config import DistConfig
 
 __all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
-           "broadcast_from_local_leader", "new_groups", "raise_together"]
+           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,16 @@ def raise_together(message: str, error: type[Exception]) -> None:
     source = int(failed.item())
     if source < world:
         raise error(broadcast_string(message, src=source))
+
+
+def gather_floats(values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` (as many on each), on every rank, in rank order."""
+    mine = torch.tensor(list(values), dtype=torch.float64)
+    if not dist.is_initialized():
+        return [mine.tolist()]
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
 
 
 def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, src: int = 0) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ import torch
 
 __all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synchronize", "eval_metric",
            "tensorboard_available", "tensorboard_scalars", "truncate_log", "METRICS_FILE", "TENSORBOARD_DIR_NAME",
-           "LAYOUT_FIELDS", "NON_PHASE_SECONDS", "CACHE_FIELD_PREFIX", "DEFAULT_EVAL_METRIC"]
+           "LAYOUT_FIELDS", "NON_PHASE_SECONDS", "CACHE_FIELD_PREFIX", "DEFAULT_EVAL_METRIC", "peak_rss_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,14 @@ CACHE_FIELD_PREFIX = "cache_"
 NOT_SCALARS = ("event", "step", "epoch", "wall_s")  # a step record's keys that are its coordinates, not metrics
 EVAL_COORDINATES = (*NOT_SCALARS, "split", "samples")  # an evaluation record's keys besides its task's metric
 DEFAULT_EVAL_METRIC = "accuracy"  # classification's, what a run without evaluations is read as
+
+
+RUSAGE_MAXRSS_UNIT = 1024  # Linux reports ru_maxrss in KiB
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident host memory so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RUSAGE_MAXRSS_UNIT
 
 
 def device_synchronize(device: torch.device) -> None:

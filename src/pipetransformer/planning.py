@@ -35,7 +35,8 @@ from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_ti
 from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
 from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
-__all__ = ["ClusterPlanRequest", "cluster_plan_command", "cluster_run_plan", "plan_command", "plan_report"]
+__all__ = ["ClusterPlanRequest", "cluster_plan_command", "cluster_run_plan", "plan_command", "plan_report",
+           "profiled_costs"]
 
 
 def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
@@ -57,15 +58,7 @@ def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
     return model, inputs, train.num_classes
 
 
-def _costs(config: Config) -> tuple[list[BlockCost], list[str]]:
-    from pipetransformer.pipe.profile import estimate_block_costs
-
-    model, inputs, num_classes = _model_and_batch(config)
-    costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
-    return costs, model.block_names()
-
-
-def _profiled(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
+def profiled_costs(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
     """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model."""
     from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
@@ -98,7 +91,7 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
 
 
 def plan_command(config: Config, world_size: int, as_json: bool) -> int:
-    costs, names = _costs(config)
+    costs, _, names = profiled_costs(config)
     report = plan_report(config, world_size, costs, names)
     if as_json:
         print(json.dumps(report, indent=2))
@@ -199,7 +192,7 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
     spec = load_model_spec(request.model, seq_len=request.seq_len) if request.model is not None else None
     costs: dict[Precision, list[BlockCost] | None]
     if request.cluster == LOCAL:
-        measured, work, _ = _profiled(config)
+        measured, work, _ = profiled_costs(config)
         cluster = local_cluster(world_size, memory_gb=config.pipe.device_memory_gb,
                                 link_bandwidth_gb_s=config.pipe.link_bandwidth_gbps,
                                 flops_per_second=calibrated_flops(work, measured),

@@ -40,6 +40,8 @@ def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
     assert_close_states(optimizer_state(parallel), optimizer_state(reference), RTOL, ATOL)
     fingerprints = summary(parallel)["rank_fingerprints"]
     assert fingerprints[0] == fingerprints[1], "replicas diverged"
+    before, peak = summary(parallel)["rss_before_model_bytes"], summary(parallel)["peak_rss_bytes"]
+    assert len(before) == len(peak) == 2 and all(0 < b <= p for b, p in zip(before, peak, strict=True))
     assert summary(parallel)["layout_history"][0]["dp_width"] == 2
     decisions = [d["frozen"] for d in summary(parallel)["freeze_decisions"]]
     assert decisions, "the gradient policy froze nothing"

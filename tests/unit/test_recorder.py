@@ -73,7 +73,8 @@ def test_a_resume_cuts_the_logs_back_to_its_checkpoint(tmp_path: Path) -> None:
 def test_the_summary_speaks_the_tasks_metric(tmp_path: Path) -> None:
     recorder = _recorder(tmp_path)
     progress = Progress(step=4, samples=32, eval_history=[{"step": 2, "mae": 1.5}, {"step": 4, "mae": 1.25}])
-    summary = recorder.summary(progress, 2.0, regression(), fingerprints=[[0.0, 1.0]], freeze_cap_binds=0,
-                               world_size=1)
+    summary = recorder.summary(progress, 2.0, regression(), fingerprints=[[0.0, 1.0]], memory=[[3e8, 5e8]],
+                               freeze_cap_binds=0, world_size=1)
     recorder.close()
     assert (summary["eval_mae"], summary["best_eval_mae"], summary["samples_per_s"]) == (1.25, 1.25, 16.0)
+    assert (summary["rss_before_model_bytes"], summary["peak_rss_bytes"]) == ([300_000_000], [500_000_000])

@@ -39,6 +39,7 @@ __all__ = [
     "NoLayoutError",
     "choose_levers",
     "recompute_set",
+    "simulate_layout",
 ]
 
 GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -231,11 +232,20 @@ class _NoFit(Exception):
         return f"does not fit{saver}" + ("" if needed is None else f": needs {_size(needed)} per device")
 
 
+def simulate_layout(costs: Sequence[BlockCost], cluster: Cluster, settings: LeverSettings, *, frozen_blocks: int,
+                    cached_blocks: int, bounds: Sequence[tuple[int, int]], replicas: int, replica_batch: int,
+                    micro_batches: int, recomputed: Sequence[int] = ()) -> StepSimulation:
+    """One step of a given layout (what a run did, e.g. from its ``layout_history``), not a chosen one."""
+    states = block_states(len(costs), frozen_blocks, cached_blocks)
+    return _simulate(costs, states, cluster, settings, len(bounds), replicas, replica_batch, micro_batches,
+                     tuple(recomputed), bounds)
+
+
 def _simulate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Cluster, settings: LeverSettings,
               stages: int, replicas: int, batch: int, micro_batches: int, blocks: tuple[int, ...],
-              part: Partition) -> StepSimulation:
+              bounds: Sequence[tuple[int, int]]) -> StepSimulation:
     size = math.ceil(batch / micro_batches)
-    works = stage_works(_with_recomputation(costs, blocks), states, part.bounds, micro_batch_size=size,
+    works = stage_works(_with_recomputation(costs, blocks), states, bounds, micro_batch_size=size,
                         overhead_s=cluster.micro_batch_overhead_s,
                         memory_bytes_per_s=cluster.device.memory_bytes_per_s, bucket_bytes=settings.bucket_bytes,
                         optimizer_state_factor=settings.optimizer_state_factor)
@@ -273,7 +283,8 @@ def _candidate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Cl
         return Candidate(stages, replicas, precision, replica_batch=batch, reason=failure.reason())
     _, count, micro_batches, part = min(options, key=lambda option: option[:3])
     blocks = recompute_set(fitter.eligible, count)
-    simulation = _simulate(costs, states, cluster, settings, stages, replicas, batch, micro_batches, blocks, part)
+    simulation = _simulate(costs, states, cluster, settings, stages, replicas, batch, micro_batches, blocks,
+                           part.bounds)
     candidate = Candidate(stages, replicas, precision, blocks, micro_batches, batch, part, simulation)
     if candidate.peak_memory_bytes > settings.memory_budget_bytes:
         return replace(candidate, reason=f"holds {_size(candidate.peak_memory_bytes)} on its fullest device "

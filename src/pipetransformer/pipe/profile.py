@@ -18,11 +18,14 @@ from torch import nn
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
-__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "analytic_block_work", "estimate_block_costs",
-           "profile_blocks"]
+__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "PROFILE_REPEATS", "PROFILE_WARMUP", "analytic_block_work",
+           "estimate_block_costs", "profile_blocks"]
 
 PROFILE_BATCH = 8
 """Samples of the example batch blocks are profiled on (costs are per sample): enough to time, cheap to run."""
+
+PROFILE_WARMUP, PROFILE_REPEATS = 1, 3
+"""Untimed and timed runs (forward + backward) of each block; costs are the timed runs' medians."""
 
 _T = TypeVar("_T")
 
@@ -122,7 +125,8 @@ def _training_everything(model: nn.Module) -> Iterator[None]:
 
 
 def profile_blocks(
-    model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, warmup: int = 1, repeats: int = 3
+    model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, warmup: int = PROFILE_WARMUP,
+    repeats: int = PROFILE_REPEATS
 ) -> list[BlockCost]:
     """Per-sample forward/backward seconds (medians), output, parameter and saved-activation bytes of each block,
     in the model's compute dtype.

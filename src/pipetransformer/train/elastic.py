@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipetransformer.config import BYTES_PER_MIB, DPConfig, PipeConfig
 from pipetransformer.data.sampler import ElasticSampler
-from pipetransformer.distributed import DistEnv, new_groups
+from pipetransformer.distributed import DistEnv, gather_floats, new_groups
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
 from pipetransformer.dp.sync import GradientSync
 from pipetransformer.faults import maybe_fail
@@ -195,12 +195,7 @@ class ElasticLayout:
         total = sum(float(p.detach().double().sum()) for i in range(start, end)
                     for p in self.model.blocks[i].parameters())
         stage = self.placement.stage
-        mine = torch.tensor([-1.0 if stage is None else float(stage), total], dtype=torch.float64)
-        if not self.env.distributed:
-            return [mine.tolist()]
-        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.env.world_size)]
-        dist.all_gather(gathered, mine)
-        return [g.tolist() for g in gathered]
+        return gather_floats([-1.0 if stage is None else float(stage), total])
 
     def state_dict(self) -> dict[str, Any]:
         return {"initial_width": self.initial_width, "world_size": self.env.world_size}

@@ -111,11 +111,14 @@ class RunRecorder:
             self._bar = None
 
     def summary(self, progress: Progress, wall_s: float, task: Task, *, fingerprints: list[list[float]],
-                freeze_cap_binds: int, world_size: int) -> dict[str, Any]:
+                memory: list[list[float]], freeze_cap_binds: int, world_size: int) -> dict[str, Any]:
+        """``memory``: per rank, the peak resident bytes before the model was built and over the whole run."""
         metric = task.metric
         evals = progress.eval_history
         return {
             "rank_fingerprints": fingerprints,
+            "rss_before_model_bytes": [int(before) for before, _ in memory],
+            "peak_rss_bytes": [int(peak) for _, peak in memory],
             f"eval_{metric}": evals[-1][metric] if evals else None,
             f"best_eval_{metric}": task.best(e[metric] for e in evals),
             "eval_history": evals,

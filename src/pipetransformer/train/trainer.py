@@ -18,8 +18,8 @@ import torch
 
 from pipetransformer.config import Config
 from pipetransformer.data.sampler import ElasticSampler
-from pipetransformer.distributed import init_distributed, shutdown_distributed
-from pipetransformer.metrics import StepTimer
+from pipetransformer.distributed import gather_floats, init_distributed, shutdown_distributed
+from pipetransformer.metrics import StepTimer, peak_rss_bytes
 from pipetransformer.optim import lr_at
 from pipetransformer.pipe.cost import Precision
 from pipetransformer.pipe.planner import LayoutPlan
@@ -52,6 +52,7 @@ class Trainer:
         seed_everything(config)
         self.run_dir = resolve_run_dir(config.run, env)
         self.train_set, self.eval_set, self.test_set = load_splits(config, env)
+        self.rss_before_model = peak_rss_bytes()  # the runtime and the data: what the memory plan does not count
         self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         batch = config.train.batch_size  # planned steps at the starting batch: what a fraction window is a share of
@@ -204,6 +205,7 @@ class Trainer:
         """The summary; a completed run also evaluates the test split (outside its wall time)."""
         summary = self.recorder.summary(self.progress, time.perf_counter() - started, self.task,
                                         fingerprints=self.layout.fingerprints(),
+                                        memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
         if self.config.run.save_model:
             self.checkpointer.save_model(self.state, self.run_dir)
