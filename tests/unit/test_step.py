@@ -92,19 +92,21 @@ def _dropout_model(seed: int = 0) -> BlockSequence:
     return model
 
 
-def _local_gradients(recompute: tuple[int, ...], compute_dtype: torch.dtype | None) -> list[torch.Tensor]:
-    model = _dropout_model()
+def _local_gradients(recompute: tuple[int, ...], compute_dtype: torch.dtype | None,
+                     device: torch.device = CPU) -> list[torch.Tensor]:
+    model = _dropout_model().to(device)
     model.compute_dtype = compute_dtype
     dataset = tiny_dataset()
-    cache = AutoCache(model, env(), CacheConfig(), train_set=dataset, eval_samples=0, max_length=MAX_LENGTH)
-    context = StepContext(model, classification(), dataset, MAX_LENGTH, CPU, cache)
+    here = dataclasses.replace(env(), device=device)
+    cache = AutoCache(model, here, CacheConfig(), train_set=dataset, eval_samples=0, max_length=MAX_LENGTH)
+    context = StepContext(model, classification(), dataset, MAX_LENGTH, device, cache)
     plan = dataclasses.replace(_plan(1), recomputed_blocks=recompute)
     step = LocalStep(context, plan, GradientSync(list(model.parameters()), None))
     batch = step.load(SHARE)
     assert batch is not None
     torch.manual_seed(1)
-    step.forward_backward(batch, GLOBAL_ROWS, StepTimer(CPU))
-    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    step.forward_backward(batch, GLOBAL_ROWS, StepTimer(device))
+    return [p.grad.detach().cpu().clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
 def test_recomputed_blocks_give_a_plain_steps_gradients_dropout_included() -> None:
@@ -119,4 +121,15 @@ def test_bf16_runs_the_forward_in_bf16_and_keeps_gradients_fp32_within_tolerance
     assert all(g.dtype == torch.float32 for g in bf16)
     assert any(not torch.equal(g, p) for g, p in zip(bf16, plain, strict=True)), "bf16 changed nothing: not applied"
     for got, want in zip(bf16, plain, strict=True):
+        assert float((got - want).norm()) <= BF16_GRADIENT_RTOL * float(want.norm()) + 1e-6
+
+
+@pytest.mark.cuda
+def test_recomputation_is_exact_and_bf16_within_tolerance_on_cuda() -> None:
+    """The same on a GPU: the CUDA RNG state is restored for recomputed dropout, autocast runs on the device."""
+    device = torch.device("cuda")
+    plain = _local_gradients((), None, device)
+    for got, want in zip(_local_gradients((1, 2, 3), None, device), plain, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(_local_gradients((), torch.bfloat16, device), plain, strict=True):
         assert float((got - want).norm()) <= BF16_GRADIENT_RTOL * float(want.norm()) + 1e-6
