@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 Activation = tuple[torch.Tensor, ...]
 
-__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "autocast_to", "run_blocks"]
+__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "run_blocks"]
 
 
 class BlockSplitError(ValueError):
@@ -37,7 +37,7 @@ def as_activation(value: torch.Tensor | Sequence[torch.Tensor]) -> Activation:
     return activation
 
 
-def autocast_to(compute_dtype: torch.dtype | None, activation: Activation) -> AbstractContextManager[object]:
+def _autocast_to(compute_dtype: torch.dtype | None, activation: Activation) -> AbstractContextManager[object]:
     """Autocast to ``compute_dtype`` on the activation's device; None leaves the caller's precision alone."""
     if compute_dtype is None or not activation:
         return nullcontext()
@@ -53,7 +53,7 @@ def run_blocks(blocks: Sequence[nn.Module], activation: Activation, recompute: C
     and the gradients are those of a plain run). ``compute_dtype`` (e.g. bf16) runs them under autocast on the
     activation's device: weights, gradients and optimizer state stay fp32.
     """
-    with autocast_to(compute_dtype, activation):
+    with _autocast_to(compute_dtype, activation):
         for position, block in enumerate(blocks):
             if position in recompute and torch.is_grad_enabled():
                 output = checkpoint(block, *activation, use_reentrant=False, preserve_rng_state=True)
@@ -107,7 +107,8 @@ class BlockSequence(nn.Module):
     def block_names(self) -> list[str]:
         return ["embeddings", *(f"layer_{i}" for i in range(self.num_layers)), "head"]
 
-    def forward_range(self, activation: Activation, start: int, end: int, recompute: Collection[int] = ()) -> Activation:
+    def forward_range(self, activation: Activation, start: int, end: int,
+                      recompute: Collection[int] = ()) -> Activation:
         """Run blocks ``start .. end-1`` on ``activation``, recomputing the blocks (model indices) in ``recompute``.
         The head's output leaves in fp32, so losses and metrics never see the compute dtype."""
         activation = run_blocks(list(self.blocks)[start:end], activation,

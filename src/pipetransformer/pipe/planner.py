@@ -146,16 +146,13 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
                       frozen_blocks: int, cached_blocks: int, global_batch: Callable[[int], int] | None,
                       precision: Precision) -> LayoutPlan:
     """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
-    config checks that the replicas are world / stages: AutoDP on, or the stages fixed)."""
+    config checks that AutoPipe is on and that the replicas are world / stages: AutoDP on, or the stages fixed)."""
     cluster = local_cluster(world_size, memory_gb=pipe.device_memory_gb,
                             link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
                             flops_per_second=math.inf,  # never read: the block costs are given
                             micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
-    if not pipe.enabled:
-        stage_counts: tuple[int, ...] | None = (1,)
-    elif pipe.stages == "auto":
-        stage_counts = None
-    else:
+    stage_counts: tuple[int, ...] | None = None  # pipe.stages: auto
+    if pipe.stages != "auto":
         stage_counts = (int(pipe.stages),)
         if stage_counts[0] not in valid_stage_counts(world_size):
             raise LayoutError(f"pipe.stages={stage_counts[0]} does not divide the {world_size} workers; "
