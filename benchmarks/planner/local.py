@@ -58,6 +58,7 @@ from pipetransformer.planning import optimizer_state_factor, profiled_costs  # n
 README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = "- This machine: `.venv/bin/python benchmarks/planner/local.py` (7 training launches, ~20 min)"
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_local"
+RESULTS = Path(__file__).resolve().parent / "local-results.json"
 CONFIG = CONFIG_DIR / "text_minilm_ddp.yaml"
 WORLD = 2
 LAYERS = 6
@@ -412,6 +413,8 @@ def main() -> None:
     payload = (json.loads((args.runs_dir / "local.json").read_text()) if args.print else run(args.runs_dir))
     body, results = analyse(payload)
     (args.runs_dir / "local-results.json").write_text(json.dumps(results, indent=1))
+    if not args.print:  # every launch and the analysis, kept with the README
+        RESULTS.write_text(json.dumps({"launches_and_profile": payload, "analysis": results}, indent=1))
     if args.print:
         print(body)
     else:

@@ -31,6 +31,7 @@ README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = ("- Recomputation against a second stage: `.venv/bin/python benchmarks/planner/recompute.py` "
               "(6 training launches, ~10 min)")
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_recompute"
+RESULTS = Path(__file__).resolve().parent / "recompute-results.json"
 CONFIG = CONFIG_DIR / "text_minilm_no_freeze.yaml"
 REPEATS = 3
 STEPS = 60
@@ -81,7 +82,7 @@ def main() -> None:
         f"**One stage x 2 replicas with recomputation: {medians['pipeline'] / medians['recompute']:.2f}x the "
         "pipeline's speed** (ratio of the medians).",
     ])
-    (RUNS_DIR / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    RESULTS.write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     replace_section(README, "recompute", body, INDEX_LINE)
     print(body)
 
