@@ -12,8 +12,9 @@ micro-batch per stage. The other launches are the validation; only their errors 
 
 The simulator models compute, stage-to-stage messages, the gradient all-reduce and the optimizer step; data
 loading and the per-step control all-reduce are not in it, so the prediction of a step is the simulated step
-plus the calibration launches' median host time (``data_s + control_s``), against the measured ``step_s``. Memory: each worker's peak resident
-memory against the memory it had before the model was built plus the simulated peak of its stage. Last, the
+plus the calibration launches' median host time (``data_s + control_s``), against the measured ``step_s``.
+Memory: each worker's peak resident memory against the memory it had before the model was built plus the
+simulated peak of its stage. Last, the
 shipped ``all`` run (the default freezer deciding when) is replayed: its layout history through the simulator,
 plus profiling, transitions and evaluations, predicts its wall time.
 
@@ -49,10 +50,12 @@ import torch  # noqa: E402
 
 from pipetransformer.config import Config, load_config  # noqa: E402
 from pipetransformer.pipe.cluster import Cluster, local_cluster  # noqa: E402
-from pipetransformer.pipe.cost import FLOAT_BYTES, BlockCost  # noqa: E402
+from pipetransformer.pipe.cost import BlockCost  # noqa: E402
 from pipetransformer.pipe.levers import LeverSettings, simulate_layout  # noqa: E402
 from pipetransformer.pipe.profile import PROFILE_BATCH, PROFILE_REPEATS, PROFILE_WARMUP  # noqa: E402
-from pipetransformer.pipe.simulate import OPTIMIZER_PASSES_BASE  # noqa: E402
+from pipetransformer.pipe.partition import PartitionError  # noqa: E402
+from pipetransformer.pipe.planner import plan_layout  # noqa: E402
+from pipetransformer.pipe.simulate import optimizer_step_bytes  # noqa: E402
 from pipetransformer.planning import optimizer_state_factor, profiled_costs  # noqa: E402
 
 README = Path(__file__).resolve().parent / "README.md"
@@ -131,7 +134,7 @@ def _optimizer_bytes_per_s(config: Config) -> float:
         times.append(time.perf_counter() - started)
     count = sum(p.numel() for p in params)
     factor = optimizer_state_factor(config.train.optimizer, config.train.momentum)
-    return count * FLOAT_BYTES * (OPTIMIZER_PASSES_BASE + 2 * factor) / statistics.median(times)
+    return optimizer_step_bytes(count, factor) / statistics.median(times)
 
 
 def _cluster(memory_bytes_per_s: float, bandwidth_gb_s: float, overhead_ms: float) -> Cluster:
@@ -212,9 +215,6 @@ def calibrate(costs: list[BlockCost], memory_bytes_per_s: float, points: list[tu
 def recompute_budget_gb(costs: list[BlockCost], launch: Launch) -> float:
     """A share below the least budget the launch's layout fits without recomputation (any split of the blocks
     over its stages, found by bisection): only recomputation makes it fit."""
-    from pipetransformer.pipe.partition import PartitionError
-    from pipetransformer.pipe.planner import plan_layout
-
     def fits(budget_gb: float) -> bool:
         config = _config(launch, (f"pipe.device_memory_gb={budget_gb}",))
         try:
@@ -275,7 +275,8 @@ def replay_wall_time(costs: list[BlockCost], cluster: Cluster, config: Config, s
             seconds["steps"] += predicted(costs, cluster, config, point).step_s
             seconds["host"] += host_s
     # Profiling: warm-up and repeats, each a forward and a backward of every block at the profile batch.
-    seconds["profile"] = (PROFILE_WARMUP + PROFILE_REPEATS) * PROFILE_BATCH * sum(c.forward_s + c.backward_s for c in costs)
+    runs = PROFILE_WARMUP + PROFILE_REPEATS
+    seconds["profile"] = runs * PROFILE_BATCH * sum(c.forward_s + c.backward_s for c in costs)
     seconds["transitions"] = len(summary["transitions"]) * transition_s
     world = summary["world_size"]
     for evaluation in summary["eval_history"]:
@@ -391,11 +392,13 @@ def analyse(payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         lines += ["", f"**Replay of `{name}`** (the shipped `text_minilm_all.yaml`, the default freezer deciding; "
                       f"{', '.join(ALL_COMMON)}): its layout history through the simulator predicts "
                       f"{replay['predicted_s']:.0f} s ({parts}) against a measured wall time of "
-                      f"{replay['measured_s']:.0f} s: **{replay['error']:+.1%}** (goal {WALL_GOAL:.0%}); per-transition "
-                      f"time {transition_s:.2f} s and host time per step from the calibration launches."]
+                      f"{replay['measured_s']:.0f} s: **{replay['error']:+.1%}** (goal {WALL_GOAL:.0%}); "
+                      f"per-transition time {transition_s:.2f} s and host time per step from the calibration "
+                      "launches."]
     results = {"bandwidth_gb_s": bandwidth, "micro_batch_overhead_ms": overhead, "host_s": host_s,
                "median_step_error": median_error, "median_full_step_error": median_full,
-               "median_memory_error": median_memory, "training_memory_ratios": training_ratios, "rows": rows, "memory_rows": memory_rows,
+               "median_memory_error": median_memory, "training_memory_ratios": training_ratios, "rows": rows,
+               "memory_rows": memory_rows,
                "transition_s": transition_s, "replays": replays}
     return "\n".join(lines), results
 

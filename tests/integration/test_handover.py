@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -18,12 +14,12 @@ from pipetransformer.config import TrainConfig
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.optim import build_optimizer
+from process_group import free_port, join, leave
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 WIDTH = 4
-TIMEOUT_S = 60  # a send that finds no matching receive fails the test instead of hanging it
 
 
 def _model() -> BlockSequence:
@@ -53,13 +49,12 @@ def _train_a_step(model: BlockSequence, optimizer: torch.optim.Optimizer, device
 
 
 def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # The trainer's default group (pipetransformer.distributed): CPU tensors over gloo, CUDA ones over NCCL.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+    join(rank, WORLD, port, backend)
     model = _model().to(device)
     optimizer = OPTIMIZERS[kind](model.parameters())
     if rank == 0:  # only the owner trains: rank 1's copy of the model is stale
@@ -79,14 +74,7 @@ def _worker(rank: int, port: int, out: str, kind: str, device_type: str) -> None
             fresh.state[param] = values
         _train_a_step(model, fresh, device)
     torch.save(state, f"{out}/rank{rank}.pt")
-    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    leave()
 
 
 @pytest.mark.parametrize(("kind", "device"), [
@@ -95,7 +83,7 @@ def _free_port() -> int:
 ])
 def test_a_moved_block_arrives_with_its_buffers_and_optimizer_state(tmp_path: Path, kind: str, device: str) -> None:
     """On CUDA (NCCL) every state tensor must travel on the device on both ends, fused AdamW's step included."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), kind, device), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), kind, device), nprocs=WORLD, join=True)
     owner, new = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
     moved = [name for name in owner if name.startswith(("model.blocks.1.", "model.blocks.2.", "optimizer."))]
     assert "model.blocks.1.1.running_mean" in moved and "model.blocks.1.1.num_batches_tracked" in moved

@@ -5,14 +5,10 @@ train on; weights, optimizer state and losses equal one process doing the same s
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -25,6 +21,7 @@ from pipetransformer.train.control import gather_control
 from pipetransformer.train.elastic import UNIFORM_COST, ElasticLayout
 from pipetransformer.train.optimizer import HeldOptimizer
 from pipetransformer.train.step import LocalStep, PipelineStep
+from process_group import free_port, join, leave
 from tiny import CPU, LAYERS, env, layout, tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -35,7 +32,6 @@ STEPS_PER_LAYOUT = 2
 FROZEN_BLOCKS = 2  # the embeddings and layer 0
 SETTINGS = dataclasses.replace(TrainConfig(), lr=1e-2, grad_clip=0.5)  # small enough a clip to act
 ROWS = 2 * STEPS_PER_LAYOUT * BATCH
-TIMEOUT_S = 60
 RTOL, ATOL = 1e-5, 1e-7
 
 
@@ -63,8 +59,7 @@ def _step(elastic: ElasticLayout, optimizer: HeldOptimizer, model: BlockSequence
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+    join(rank, WORLD, port)
     model = tiny_model()
     elastic = layout(model, tiny_dataset(ROWS), env(rank, WORLD), pipe=PipeConfig(enabled=True, stages=2),
                      dp=DPConfig(enabled=True), batch_size=BATCH)
@@ -82,8 +77,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 "weights": {k: v.clone() for k, v in model.state_dict().items()},
                 "optimizer": optimizer.state_dict(received)}, f"{out}/rank{rank}.pt")
     elastic.close()
-    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
-    dist.destroy_process_group()
+    leave()
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -104,14 +98,8 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.
     return losses, model.state_dict(), optimizer.state_dict()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_a_pipeline_becomes_two_replicas_and_trains_on_as_one_process_does(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     first, second = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD))
     assert first["record"]["blocks_moved"] == LAYERS + 2, "each rank lacked the other stage's blocks"
     assert first["fingerprints"][0] == first["fingerprints"][1], "the replicas diverged"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pipetransformer.dp.sync import GradientSync
+from process_group import free_port, join, leave
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +25,7 @@ def _model() -> nn.Module:
 
 
 def _worker(rank: int, port: int, out: str, overlap: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join(rank, WORLD, port)
     model = _model()
     model[0].weight.requires_grad_(False)  # frozen: must not be reduced
     sync = GradientSync(list(model.parameters()), dist.group.WORLD, bucket_bytes=SMALL_BUCKET_BYTES, overlap=overlap)
@@ -41,19 +39,12 @@ def _worker(rank: int, port: int, out: str, overlap: bool) -> None:
                    f"{out}/rank{rank}-step{step}.pt")
         model.zero_grad(set_to_none=True)
     sync.close()
-    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    leave()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_bucketed_sum_equals_plain_sum(tmp_path: Path, overlap: bool) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), overlap), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), overlap), nprocs=WORLD, join=True)
     model = _model()
     model[0].weight.requires_grad_(False)
     for step in range(2):

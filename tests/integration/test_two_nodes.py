@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from jobs import JOB_TIMEOUT_S, ROOT, assert_close_states, run_job, summary, weights
+from process_group import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +24,9 @@ WORKER_TRACEBACK = re.compile(r"\[rank\d+\]: Traceback")
 """How torch prefixes a worker's uncaught exception, e.g. a lost peer."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _two_agents(run_dir: Path, *per_node: tuple[str, ...]) -> list[subprocess.Popen[str]]:
     """Two torchrun agents of one job on loopback, one worker each; ``per_node[i]``: node i's own overrides."""
-    port = _free_port()
+    port = free_port()
     agents = []
     for node_rank, overrides in enumerate(per_node):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

@@ -143,7 +143,8 @@ def test_numbers_out_of_range_name_the_key(key: str, value: float) -> None:
     ({"freeze": {"schedule": [[1, 4], [3, 2]]}}, "freeze.schedule"),
     ({"pipe": {"recompute": True, "device_memory_gb": 1.0}}, "set pipe.enabled: true"),
     ({"pipe": {"enabled": True, "recompute": True}}, "set a budget"),
-    ({"pipe": {"enabled": True, "recompute": True, "device_memory_gb": 1.0}}, "set dp.enabled: true, or fix pipe.stages"),
+    ({"pipe": {"enabled": True, "recompute": True, "device_memory_gb": 1.0}},
+     "set dp.enabled: true, or fix pipe.stages"),
 ])
 def test_cross_field_rules(values: dict[str, Any], needle: str) -> None:
     assert needle in _error(values)

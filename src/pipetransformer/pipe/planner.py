@@ -55,6 +55,20 @@ class LayoutPlan:
         }
 
 
+def _fixed_stages(pipe: PipeConfig, world_size: int) -> int:
+    """``pipe.stages`` when it is a number, checked against the world."""
+    stages = int(pipe.stages)
+    if stages not in valid_stage_counts(world_size):
+        raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
+                          f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+    return stages
+
+
+def _replica_batch(width: int, batch_size: int, global_batch: Callable[[int], int] | None) -> int:
+    """Each replica's share of the global batch at ``width`` replicas (``dp.batch_policy``; default: ``batch_size``)."""
+    return max(1, (global_batch(width) if global_batch else batch_size) // width)
+
+
 def _budget_bytes(pipe: PipeConfig) -> int:
     if pipe.device_memory_gb is None:
         return math.inf  # type: ignore[return-value]
@@ -87,8 +101,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
         return dp_width
 
     def replica_batch(stages: int) -> int:
-        width = width_for(stages)
-        return max(1, (global_batch(width) if global_batch else batch_size) // width)
+        return _replica_batch(width_for(stages), batch_size, global_batch)
 
     def held_activations(stages: int) -> tuple[int, int]:
         """(micro-batch size, micro-batches in flight) a stage holds activations for before their backward.
@@ -121,10 +134,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
                                  f"{ranks} workers: {error}") from None
         stages = part.num_stages
     else:
-        stages = int(pipe.stages)
-        if stages not in valid_stage_counts(world_size):
-            raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
-                              f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+        stages = _fixed_stages(pipe, world_size)
         if stages > runnable:
             raise PartitionError(f"pipe.stages={stages} but the model has only {runnable} blocks to run: "
                                  "use fewer stages")
@@ -151,22 +161,15 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
                             link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
                             flops_per_second=math.inf,  # never read: the block costs are given
                             micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
-    stage_counts: tuple[int, ...] | None = None  # pipe.stages: auto
-    if pipe.stages != "auto":
-        stage_counts = (int(pipe.stages),)
-        if stage_counts[0] not in valid_stage_counts(world_size):
-            raise LayoutError(f"pipe.stages={stage_counts[0]} does not divide the {world_size} workers; "
-                              f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+    stage_counts = None if pipe.stages == "auto" else (_fixed_stages(pipe, world_size),)
     settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
                              micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
                              precisions=(precision,), recompute=True, stage_counts=stage_counts)
 
-    def replica_batch(replicas: int) -> int:
-        return max(1, (global_batch(replicas) if global_batch else batch_size) // replicas)
-
     try:
         chosen = choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                               replica_batch=replica_batch, settings=settings).chosen
+                               replica_batch=lambda replicas: _replica_batch(replicas, batch_size, global_batch),
+                               settings=settings).chosen
     except NoLayoutError as error:
         raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for {world_size} "
                              f"workers: {error}") from None

@@ -38,6 +38,7 @@ __all__ = [
     "SyncGroup",
     "allreduce_time",
     "op_order",
+    "optimizer_step_bytes",
     "simulate_step",
     "stage_works",
 ]
@@ -52,6 +53,11 @@ COMPUTE_KINDS = (FORWARD, BACKWARD)
 OPTIMIZER_PASSES_BASE = 3
 """An optimizer step reads each parameter and its gradient and writes the parameter (3 passes), and reads
 and writes each state tensor (2 passes per tensor); all fp32 and memory-bound."""
+
+def optimizer_step_bytes(params: int, optimizer_state_factor: int) -> int:
+    """Bytes one optimizer step moves through memory for ``params`` fp32 parameters."""
+    return params * FLOAT_BYTES * (OPTIMIZER_PASSES_BASE + 2 * optimizer_state_factor)
+
 
 _GLYPHS = {FORWARD: "F", BACKWARD: "B", ALLREDUCE: "A", OPTIMIZER: "O"}
 IDLE_GLYPH = "."
@@ -322,7 +328,7 @@ def stage_works(
                 buckets.append((size, done / total_backward if total_backward > 0 else 1.0))
                 size = 0
         trainable_params = sum(costs[i].param_bytes for i in blocks if states[i] is active) // FLOAT_BYTES
-        optimizer_bytes = trainable_params * FLOAT_BYTES * (OPTIMIZER_PASSES_BASE + 2 * optimizer_state_factor)
+        optimizer_bytes = optimizer_step_bytes(trainable_params, optimizer_state_factor)
         weights = sum(block_memory(costs[i], states[i], micro_batch_size=0,
                                    optimizer_state_factor=optimizer_state_factor) for i in blocks)
         activations = sum(costs[i].activation_bytes for i in blocks if states[i] is active) * micro_batch_size
