@@ -135,7 +135,8 @@ def test_worker_dying_in_a_handover_fails_fast_then_restart_resumes_exactly(tmp_
 
 TEXT = "tiny_text.yaml"
 EPOCH_FREEZE = ("run.save_model=true", "run.record_samples=true", "deterministic=true", "freeze.enabled=true",
-                "freeze.policy=geometric", "freeze.interval=1", "freeze.interval_unit=epochs", "freeze.alpha=0.5")
+                "freeze.policy=geometric", "freeze.interval=1", "freeze.interval_unit=epochs", "freeze.alpha=0.5",
+                "freeze.max_fraction=1.0")
 
 
 def test_max_steps_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:

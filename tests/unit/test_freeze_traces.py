@@ -44,10 +44,13 @@ def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(
     assert decision.step > first_epoch_end(steps)
     assert decision.frozen == frozenset(range(len(decision.frozen)))
     assert min(decision.details["candidate"], decision.details["cap"]) <= decision.details["bound"]
+    # ... and never more than half of the layers (freeze.max_fraction 0.5), however many converge.
+    policy = policy_from_settings(FreezeConfig(enabled=True), NUM_LAYERS, seed=0, total_steps=len(steps))
+    assert max(len(d.frozen) for d in replay(policy, steps)) <= NUM_LAYERS // 2
 
 
 PAPER = FreezeConfig(enabled=True, policy="gradient", interval=0.05, interval_unit="fraction", min_window_steps=10,
-                     alpha=1 / 3, percentile=50.0)
+                     alpha=1 / 3, percentile=50.0, max_fraction=0.84)  # up to 5 of 6: the criteria are under test
 CRITERIA = {
     "paper": PAPER,  # the relative percentile of the gradient-norm change
     "paper+floor": FreezeConfig(**{**PAPER.__dict__, "max_change": 0.1}),  # ... plus an absolute floor
