@@ -27,14 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from main import transfer_tasks  # noqa: E402 - the benchmark's task definitions, one folder entry
 
-from pipetransformer.config import Config, load_config  # noqa: E402
+from pipetransformer.config import Config, FreezeConfig, load_config  # noqa: E402
 from pipetransformer.data import datasets_from_config  # noqa: E402
+from pipetransformer.freeze.policies import window_steps  # noqa: E402
 from pipetransformer.models import load_tokenizer, minilm_path  # noqa: E402
 from pipetransformer.optim import build_optimizer, layer_lr_scales, lr_at, set_lr  # noqa: E402
 from pipetransformer.train.build import build_blocks  # noqa: E402
-
-WINDOW_FRACTION = 0.05  # the freeze default's decision cadence (freeze.interval)
-MIN_WINDOW_STEPS = 10  # ... and its floor (freeze.min_window_steps)
 
 
 def block_outputs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -69,7 +67,8 @@ def measure(config: Config, probe_rows: int) -> dict:
     batch_size = config.train.batch_size
     steps_per_epoch = math.ceil(len(splits.train) / batch_size)
     total_steps = steps_per_epoch * config.train.epochs
-    window = max(MIN_WINDOW_STEPS, round(WINDOW_FRACTION * total_steps))
+    cadence = FreezeConfig()  # the freeze default's decision windows
+    window = window_steps(float(cadence.interval), total_steps, cadence.min_window_steps)
     start = previous = block_outputs(model, probe)
     windows, step, began = [], 0, time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
