@@ -136,11 +136,11 @@ def transfer_tasks() -> dict[str, TransferTask]:
 TRANSFER_TASKS = ("rotten_tomatoes", "fashion_mnist", "debates")
 
 
-def _order(configs: list[str], seeds: int) -> list[tuple[int, str]]:
+def _order(configs: list[str], seeds: int, first_seed: int = 0) -> list[tuple[int, str]]:
     """Every seed runs every config, the order rotated by one per seed so a slow phase of the machine does not
     always hit the same config."""
     order = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         shift = seed % len(configs)
         order += [(seed, name) for name in [*configs[shift:], *configs[:shift]]]
     return order
@@ -295,6 +295,7 @@ def _task_markdown(task: TransferTask, table: dict[str, dict[str, Any]], seeds: 
 def _report(payload: dict[str, Any], resumed: bool) -> str:
     """The results markdown of a benchmark payload (its tasks' tables and gates)."""
     mode, machine = payload["mode"], payload["machine"]
+    arguments = payload.get("arguments", "--quick" if mode == "quick" else "")  # recorded since 2026-11-25
     sections = []
     for name in sorted(payload["tasks"], key=TRANSFER_TASKS.index):  # a JSON payload comes back key-sorted
         entry = payload["tasks"][name]
@@ -303,7 +304,7 @@ def _report(payload: dict[str, Any], resumed: bool) -> str:
                                        task.quick_data if mode == "quick" else task.data))
     return "\n".join([
         f"# Freeze transfer ({mode})", "",
-        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' --quick' if mode == 'quick' else ''}`"
+        f"Command: `.venv/bin/python benchmarks/freeze_transfer/main.py{' ' if arguments else ''}{arguments}`"
         + (" (resumed with `--resume`: runs an interrupted launch finished were kept)" if resumed else ""), "",
         f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}; load average "
         f"at start {machine['load_average_at_start']}; started {machine['started']}.", "",
@@ -325,14 +326,16 @@ def _rescore(path: Path) -> int:
     resumed = "--resume" in path.with_suffix(".md").read_text() if path.with_suffix(".md").is_file() else False
     markdown = _report(payload, resumed)
     write_results(path.parent, path.stem, markdown, payload)
-    if path.resolve().parent == HERE and path.stem == _stem(payload["mode"]):  # the newest run: README too
+    if path.resolve().parent == HERE and path.stem == _stem(payload["mode"]):  # the newest full set: README too
         _publish(payload["mode"], markdown)
     print(f"results: {path.with_suffix('.md')}", flush=True)
     return 0
 
 
-def _stem(mode: str) -> str:
-    return "results-quick" if mode == "quick" else "results"
+def _stem(mode: str, first_seed: int = 0) -> str:
+    """``results[-quick]``; seeds added to a finished run (``--first-seed``) get their own files."""
+    stem = "results-quick" if mode == "quick" else "results"
+    return stem if first_seed == 0 else f"{stem}-from-seed-{first_seed}"
 
 
 def _publish(mode: str, markdown: str) -> None:
@@ -346,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=TRANSFER_TASKS, default=list(TRANSFER_TASKS))
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seeds", type=int, default=None, help="seeds per task (default: the task's own; 1 quick)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="start the seeds here, to add seeds to a finished run (own results file, README untouched)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
@@ -362,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(machine), flush=True)
     tasks = transfer_tasks()
     mode = "quick" if args.quick else "full"
-    payload: dict[str, Any] = {"machine": machine, "mode": mode, "tasks": {}}
+    if args.first_seed < 0:
+        parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
+    payload: dict[str, Any] = {"machine": machine, "mode": mode, "tasks": {},
+                               "arguments": " ".join(sys.argv[1:] if argv is None else argv)}
     for name in args.tasks:
         task = tasks[name]
         runs_dir = args.runs_dir / mode / name
@@ -371,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = args.seeds or (1 if args.quick else task.seeds)
         shared = task.quick_data if args.quick else task.data
         results = []
-        for seed, config in _order(args.configs, seeds):
+        for seed, config in _order(args.configs, seeds, args.first_seed):
             member = CONFIGS[config]
             overrides = [*shared, f"seed={seed}", *member.overrides]
             kept = finished_run(config, seed, runs_dir) if args.resume else None
@@ -382,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone,
                                   "table": _aggregate(results, args.configs), "runs": results}
     markdown = _report(payload, args.resume)
-    write_results(HERE, _stem(mode), markdown, payload)
-    _publish(mode, markdown)
-    print(f"results: {HERE / (_stem(mode) + '.md')}", flush=True)
+    stem = _stem(mode, args.first_seed)
+    write_results(HERE, stem, markdown, payload)
+    if args.first_seed == 0:
+        _publish(mode, markdown)
+    print(f"results: {HERE / (stem + '.md')}", flush=True)
     return 0
 
 
