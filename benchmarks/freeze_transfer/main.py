@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seeds", type=int, default=None, help="seeds per task (default: the task's own; 1 quick)")
     parser.add_argument("--first-seed", type=int, default=0,
-                        help="start the seeds here, to add seeds to a finished run (own results file, README untouched)")
+                        help="first seed: add seeds to a finished run (own results file, README untouched)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
