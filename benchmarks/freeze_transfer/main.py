@@ -317,6 +317,33 @@ def _report(payload: dict[str, Any], resumed: bool) -> str:
         *sections])
 
 
+def _pool(paths: list[Path]) -> int:
+    """Accuracy only, over the seeds of several recorded runs of a task (e.g. a run and the seeds ``--first-seed``
+    added to it): the paired test and final-validation differences to ``ddp``. Wall times are left out: runs of
+    different launches met different machine states. Refuses a seed recorded twice."""
+    by_task: dict[str, list[RunResult]] = {}
+    for path in paths:
+        for task, entry in json.loads(path.read_text())["tasks"].items():
+            by_task.setdefault(task, []).extend(RunResult(**run) for run in entry["runs"])
+    lines = [f"Pooled accuracy: `.venv/bin/python benchmarks/freeze_transfer/main.py --pool "
+             f"{' '.join(p.name for p in paths)}`", ""]
+    for task in sorted(by_task, key=TRANSFER_TASKS.index):
+        results = by_task[task]
+        seen = [(r.name, r.repeat) for r in results]
+        twice = sorted({key for key in seen if seen.count(key) > 1})
+        if twice:
+            raise SystemExit(f"error: {task}: {twice} recorded twice; pool runs with distinct seeds")
+        table = _aggregate(results, [name for name in CONFIGS if any(r.name == name for r in results)])
+        seeds = sorted({r.repeat for r in results if r.ok})
+        rows = [[f"`{name}`", str(row["runs"]), _points(row, "paired"), _points(row, "val_paired")]
+                for name, row in table.items()]
+        lines += [f"### {task}: seeds {seeds[0]}-{seeds[-1]}", "",
+                  markdown_table(["config", "runs", "test vs ddp, paired (mean ± SE)", "final val vs ddp, paired"],
+                                 rows), ""]
+    print("\n".join(lines))
+    return 0
+
+
 def _rescore(path: Path) -> int:
     """Recompute the tables and gates of a recorded ``results*.json`` from its runs and rewrite its ``.md``."""
     payload = json.loads(path.read_text())
@@ -356,7 +383,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
     parser.add_argument("--rescore", type=Path, metavar="RESULTS_JSON",
                         help="run nothing: recompute a recorded results*.json's tables and gates, rewrite its .md")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS_JSON",
+                        help="run nothing: accuracy over the seeds of several results*.json of the same tasks")
     args = parser.parse_args(argv)
+    if args.pool:
+        missing = [str(path) for path in args.pool if not path.is_file()]
+        if missing:
+            parser.error(f"--pool: no such file {', '.join(missing)}; give results*.json files this benchmark wrote")
+        return _pool(args.pool)
     if args.rescore is not None:
         if not args.rescore.is_file():
             parser.error(f"--rescore {args.rescore}: no such file; give a results*.json this benchmark wrote")
