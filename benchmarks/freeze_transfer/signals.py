@@ -15,13 +15,14 @@ and per decision window (5% of the run, the freeze default's cadence), records:
   ``--probe-rows`` validation samples).
 
 The summary says, per signal over the transformer layers, what share of its variance lies between layers within a
-window (the rest follows the window: time and learning rate), and the mean rank correlation between layer depth
-and the signal within a window (+1: it rises monotonically from the bottom layer to the top in every window).
-A per-layer convergence test needs a large layer share.
+window (the rest follows the window: time and learning rate), the mean rank correlation between layer depth and
+the signal within a window (+1: it rises monotonically from the bottom layer to the top in every window), and
+whether the layer pattern repeats from one window to the next (noise does not). A per-layer convergence test
+needs a large layer share that repeats and is not fixed from the start.
 
     .venv/bin/python benchmarks/freeze_transfer/signals.py --task fashion_mnist     # ~1 min on 2 cores
-    .venv/bin/python benchmarks/freeze_transfer/signals.py --task rotten_tomatoes   # ~3 min
-    .venv/bin/python benchmarks/freeze_transfer/signals.py --task debates           # ~1 min
+    .venv/bin/python benchmarks/freeze_transfer/signals.py --task rotten_tomatoes   # ~4 min
+    .venv/bin/python benchmarks/freeze_transfer/signals.py --task debates           # ~2 min
 
 Writes ``signals-<task>.json`` and ``.md`` here. Training and validation samples only: no test data is read.
 """
