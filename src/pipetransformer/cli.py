@@ -196,7 +196,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = train(config)
     if int(os.environ.get("RANK", "0")) == 0:
         shown = ("eval_accuracy", "best_eval_accuracy", "test_accuracy", "test_accuracy_at_best_validation",
-                 "wall_time_s", "samples_per_s", "run_dir")
+                 "wall_time_s", "samples_per_s", "freeze_outcome", "run_dir")
         print(json.dumps({k: summary.get(k) for k in shown}, indent=2))
     return 0
 

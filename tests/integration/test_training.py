@@ -46,6 +46,7 @@ def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
     decisions = [d["frozen"] for d in summary(parallel)["freeze_decisions"]]
     assert decisions, "the gradient policy froze nothing"
     assert decisions == [d["frozen"] for d in summary(reference)["freeze_decisions"]]
+    assert summary(parallel)["freeze_outcome"].startswith(f"{len(decisions[-1])} of ")
 
 
 def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_path: Path) -> None:
@@ -64,6 +65,8 @@ def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_p
         assert got[0] == [None] * 4
         for got_row, want_row in zip(got[1:], expected[1:], strict=True):
             assert got_row == pytest.approx(want_row, rel=1e-3, abs=1e-9)
+    # 5 steps are no window of the default cadence: the run says so instead of freezing nothing silently
+    assert "nothing froze in 0 decision windows: the coherence test needs 3" in summary(reference)["freeze_outcome"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -436,6 +436,37 @@ def test_coherence_max_advance_freezes_converged_layers_a_few_at_a_time() -> Non
         build("coherence", max_advance=0)
 
 
+NOISE = [0.01] * NUM_LAYERS
+"""A window in which every layer's gradient is noise: coherence below any threshold used here."""
+
+
+@pytest.mark.parametrize(("windows", "needle"), [
+    ([NOISE] * 6, "layer 0's gradient coherence never reached 0.1"),  # noise from the start: never learned
+    ([LEARNING] * 6, "layer 0 learned, but its gradient coherence never stayed below 0.1"),
+    ([LEARNING, NOISE] + [LEARNING, NOISE] * 2, "layer 0 learned, but"),  # it dips below for one window at a time
+    ([LEARNING, NOISE], "needs 3 (one to learn, two below the threshold); shorten freeze.interval"),
+])
+def test_coherence_outcome_says_why_nothing_froze(windows: list[list[float]], needle: str) -> None:
+    norms, dots = coherence_trace(windows)
+    policy = build("coherence", alpha=1.0, threshold=0.1)
+    assert set(frozen_counts(run(policy, norms, dots=dots))) == {0}
+    assert policy.outcome().startswith(f"nothing froze in {len(windows)} decision windows: ")
+    assert needle in policy.outcome()
+
+
+def test_outcome_counts_what_froze_or_names_the_bound_that_forbids_it() -> None:
+    norms, dots = coherence_trace([LEARNING] + [NOISE] * 2)
+    policy = build("coherence", alpha=1.0, threshold=0.1, max_fraction=0.5)
+    run(policy, norms, dots=dots)
+    assert policy.outcome() == f"3 of {NUM_LAYERS} layers frozen in 3 decision windows"
+    forbidden = build("coherence", alpha=1.0, threshold=0.1, max_fraction=0.0)
+    run(forbidden, norms, dots=dots)
+    assert forbidden.outcome() == "nothing froze: freeze.max_fraction allows no layer"
+    geometric = build("geometric", interval=10)
+    run(geometric, [[1.0] * NUM_LAYERS] * 3)
+    assert geometric.outcome() == "nothing froze in 0 decision windows"
+
+
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
     """Real vectors, 10k dimensions: every layer's gradient keeps its direction for a window; then layers 0-2
     turn into independent noise around zero while layers 3-5 keep a signal as large as their noise."""

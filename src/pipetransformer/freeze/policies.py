@@ -26,6 +26,7 @@ import numpy as np
 __all__ = [
     "INTERVAL_UNITS",
     "POLICY_NAMES",
+    "WINDOWS_BEFORE_A_FREEZE",
     "FreezeDecision",
     "CoherencePolicy",
     "FreezePolicy",
@@ -51,6 +52,8 @@ UNWINDOWED = ("schedule", "none")
 _FLOAT_SLACK = 1e-9
 _PERCENT = 100.0
 _LARGEST_FLOAT = float(np.finfo(np.float64).max)
+WINDOWS_BEFORE_A_FREEZE = {"gradient": 2, "coherence": 3}
+"""The gradient test compares two windows; coherence needs a window of learning, then two below its threshold."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,14 @@ class FreezePolicy(ABC):
     @abstractmethod
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
         """The frozen set this policy wants after the current step (``None``: no opinion)."""
+
+    def outcome(self) -> str:
+        """One line for the end of a run: how much froze, or why nothing did."""
+        if self.frozen:
+            return f"{len(self.frozen)} of {self.num_layers} layers frozen in {self.windows_done} decision windows"
+        if self.max_frozen == 0:
+            return "nothing froze: freeze.max_fraction allows no layer"
+        return f"nothing froze in {self.windows_done} decision windows"
 
     def _capped_prefix(self, count: int) -> frozenset[int]:
         """The first ``count`` layers, capped by ``max_fraction``."""
@@ -472,6 +483,21 @@ class CoherencePolicy(FreezePolicy):
             details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
             candidate = min(candidate, details["advance_limit"])
         return self._bounded_prefix(candidate, bound), details
+
+    def outcome(self) -> str:
+        """Why nothing froze, in the test's terms: the bottom layer must converge first (freezing is a prefix)."""
+        if self.frozen or self.max_frozen == 0:
+            return super().outcome()
+        needed = WINDOWS_BEFORE_A_FREEZE[self.name]
+        if self.windows_done < needed:
+            return (f"{super().outcome()}: the coherence test needs {needed} (one to learn, two below the threshold); "
+                    "shorten freeze.interval")
+        if not self.learned[0]:
+            return (f"{super().outcome()}: layer 0's gradient coherence never reached {self.threshold} (it did not "
+                    "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
+                    "after it learned")
+        return (f"{super().outcome()}: layer 0 learned, but its gradient coherence never stayed below "
+                f"{self.threshold} for two windows in a row")
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -14,18 +14,16 @@ from typing import Any
 
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
-from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks, frozen_prefix_layers,
-                                             policy_from_settings)
+from pipetransformer.freeze.policies import (UNWINDOWED, WINDOWS_BEFORE_A_FREEZE, FreezePolicy, frozen_blocks,
+                                             frozen_prefix_layers, policy_from_settings)
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.control import ControlVector
 from pipetransformer.train.optimizer import HeldOptimizer
 
-__all__ = ["AutoFreeze", "WINDOWS_BEFORE_A_FREEZE"]
+__all__ = ["AutoFreeze"]
 
 logger = logging.getLogger(__name__)
 
-WINDOWS_BEFORE_A_FREEZE = {"gradient": 2, "coherence": 3}
-"""The gradient test compares two windows; coherence needs a window of learning, then two below its threshold."""
 EPOCHS = "epochs"
 COHERENCE = "coherence"
 

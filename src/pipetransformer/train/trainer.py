@@ -207,6 +207,10 @@ class Trainer:
                                         fingerprints=self.layout.fingerprints(),
                                         memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
+        if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
+            summary["freeze_outcome"] = self.freezer.policy.outcome()
+            if self.env.is_main:
+                logger.info("freeze: %s", summary["freeze_outcome"])
         if self.config.run.save_model:
             self.checkpointer.save_model(self.state, self.run_dir)
         if completed:
