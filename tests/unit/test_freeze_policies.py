@@ -467,6 +467,15 @@ def test_outcome_counts_what_froze_or_names_the_bound_that_forbids_it() -> None:
     assert geometric.outcome() == "nothing froze in 0 decision windows"
 
 
+def test_schedule_outcome_names_the_schedule_not_windows() -> None:
+    frozen = build("schedule", schedule=[[2, 1], [5, 3]], max_fraction=1.0)
+    run(frozen, [[1.0] * NUM_LAYERS] * 8)
+    assert frozen.outcome() == f"3 of {NUM_LAYERS} layers frozen by freeze.schedule"
+    late = build("schedule", schedule=[[0, 0], [20, 2]], max_fraction=1.0)
+    run(late, [[1.0] * NUM_LAYERS] * 8)
+    assert late.outcome() == "nothing froze: freeze.schedule's first freeze is due after 20 steps, the run did 8"
+
+
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
     """Real vectors, 10k dimensions: every layer's gradient keeps its direction for a window; then layers 0-2
     turn into independent noise around zero while layers 3-5 keep a signal as large as their noise."""

@@ -293,6 +293,19 @@ class SchedulePolicy(FreezePolicy):
         at, count = due[-1]
         return self._capped_prefix(count), {"at": at, "scheduled": count, "cap": self.max_frozen}
 
+    def outcome(self) -> str:
+        """A schedule has no decision windows: say what it froze, or when its first entry was due."""
+        if self.frozen:
+            return f"{len(self.frozen)} of {self.num_layers} layers frozen by freeze.schedule"
+        if self.max_frozen == 0:
+            return super().outcome()
+        due = [at for at, count in self.schedule if count > 0]
+        if not due:
+            return "nothing froze: freeze.schedule freezes no layer"
+        progress = self.steps_done if self.interval_unit == "steps" else self.epochs_done
+        return (f"nothing froze: freeze.schedule's first freeze is due after {due[0]} {self.interval_unit}, "
+                f"the run did {progress}")
+
 
 class GradientPolicy(FreezePolicy):
     """AutoFreeze as the paper describes it: freeze the leading layers whose gradients stopped changing.
