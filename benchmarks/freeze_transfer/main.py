@@ -410,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         return _rescore(args.rescore)
     if "ddp" not in args.configs:
         parser.error("--configs must include ddp: every accuracy is paired with it")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
     machine = machine_info()
     print(json.dumps(machine), flush=True)
     tasks = transfer_tasks()
     mode = "quick" if args.quick else "full"
-    if args.first_seed < 0:
-        parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
     payload: dict[str, Any] = {"machine": machine, "mode": mode, "tasks": {},
                                "arguments": " ".join(sys.argv[1:] if argv is None else argv)}
     for name in args.tasks:

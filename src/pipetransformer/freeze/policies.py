@@ -504,7 +504,7 @@ class CoherencePolicy(FreezePolicy):
         needed = WINDOWS_BEFORE_A_FREEZE[self.name]
         if self.windows_done < needed:
             return (f"{super().outcome()}: the coherence test needs {needed} (one to learn, two below the threshold); "
-                    "shorten freeze.interval")
+                    "shorten freeze.interval (or freeze.min_window_steps)")
         if not self.learned[0]:
             return (f"{super().outcome()}: layer 0's gradient coherence never reached {self.threshold} (it did not "
                     "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
