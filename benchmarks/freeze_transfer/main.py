@@ -24,6 +24,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -372,9 +373,12 @@ def _rescore(path: Path) -> int:
     return 0
 
 
-def _stem(mode: str, first_seed: int = 0) -> str:
-    """``results[-quick]``; seeds added to a finished run (``--first-seed``) get their own files."""
+def _stem(mode: str, first_seed: int = 0, tasks: Sequence[str] = TRANSFER_TASKS) -> str:
+    """``results[-quick]`` for every task from seed 0; a subset of the tasks or seeds added to a finished run
+    (``--first-seed``) get their own files, so a partial launch never overwrites a whole one."""
     stem = "results-quick" if mode == "quick" else "results"
+    if set(tasks) != set(TRANSFER_TASKS):
+        stem += "".join(f"-{name}" for name in TRANSFER_TASKS if name in tasks)
     return stem if first_seed == 0 else f"{stem}-from-seed-{first_seed}"
 
 
@@ -437,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone,
                                   "table": _aggregate(results, args.configs), "runs": results}
     markdown = _report(payload, args.resume)
-    stem = _stem(mode, args.first_seed)
+    stem = _stem(mode, args.first_seed, args.tasks)
     write_results(HERE, stem, markdown, payload)
-    if args.first_seed == 0:
+    if stem == _stem(mode):
         _publish(mode, markdown)
     print(f"results: {HERE / (stem + '.md')}", flush=True)
     return 0
