@@ -45,6 +45,7 @@ from main import TRANSFER_TASKS, transfer_tasks  # noqa: E402 - the benchmark's 
 
 from pipetransformer.config import Config, FreezeConfig, load_config  # noqa: E402
 from pipetransformer.data import datasets_from_config  # noqa: E402
+from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms  # noqa: E402
 from pipetransformer.freeze.policies import window_steps  # noqa: E402
 from pipetransformer.models import load_tokenizer, minilm_path  # noqa: E402
 from pipetransformer.models.blocks import BlockSequence  # noqa: E402
@@ -77,11 +78,6 @@ def flat_weights(model: BlockSequence) -> list[torch.Tensor]:
     return [torch.cat([p.detach().reshape(-1) for p in block.parameters()]).clone() for block in model.blocks]
 
 
-def flat_grads(model: BlockSequence) -> list[torch.Tensor]:
-    return [torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                       for p in block.parameters()]).clone() for block in model.blocks]
-
-
 def relative(now: torch.Tensor, before: torch.Tensor) -> float:
     return float((now - before).norm() / before.norm().clamp_min(TINY))
 
@@ -106,7 +102,8 @@ def measure(config: Config, probe_rows: int) -> dict:
         return {"dot": [0.0] * blocks, "sq": [0.0] * blocks, "norm": [0.0] * blocks, "path": [0.0] * blocks}
 
     outputs_before, weights_before = block_outputs(model, probe), flat_weights(model)
-    sums, steps_in_window, previous_grads, previous_mean_norm = fresh(), 0, None, None
+    weights = weights_before  # the weights after the latest step
+    sums, steps_in_window, previous_grads, previous_mean_norm = fresh(), 0, PreviousGradients(), None
     windows, step, began = [], 0, time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     for _ in range(config.train.epochs):
@@ -120,21 +117,21 @@ def measure(config: Config, probe_rows: int) -> dict:
             loss.backward()
             if config.train.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
-            grads = flat_grads(model)
-            for b, g in enumerate(grads):
-                sums["norm"][b] += float(g.norm())
-                if previous_grads is not None:
-                    sums["dot"][b] += float(torch.dot(g, previous_grads[b]))
-                    sums["sq"][b] += float(g.square().sum())
-            previous_grads = grads
-            before_step = flat_weights(model)
+            squares = block_grad_sq_norms(model)
+            dots, valid = previous_grads.block_dots(model, range(blocks))
+            for b in range(blocks):
+                sums["norm"][b] += math.sqrt(float(squares[b]))
+                if valid[b]:
+                    sums["dot"][b] += float(dots[b])
+                    sums["sq"][b] += float(squares[b])
             optimizer.step()
-            for b, w in enumerate(flat_weights(model)):
+            before_step, weights = weights, flat_weights(model)
+            for b, w in enumerate(weights):
                 sums["path"][b] += float((w - before_step[b]).norm())
             step += 1
             steps_in_window += 1
             if step % window == 0 or step == total_steps:
-                outputs, weights = block_outputs(model, probe), flat_weights(model)
+                outputs = block_outputs(model, probe)
                 mean_norm = [n / steps_in_window for n in sums["norm"]]
                 displacement = [float((w - s).norm()) for w, s in zip(weights, weights_before)]
                 windows.append({
