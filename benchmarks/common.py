@@ -8,6 +8,7 @@ reports medians over repeats together with the machine it ran on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -177,7 +178,7 @@ TASKS = {
 
 def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
     """Make the family's pretrained backbone with ``pipetransformer pretrain`` unless it exists (quick runs
-    fine-tune the same full backbone). Returns what was used and, when made here, how long it took."""
+    fine-tune the same full backbone). Returns what was used (path, sha256) and, when made here, how long it took."""
     if spec.backbone is None:
         return None
     family_root = spec.config(BASELINE_MEMBERS[0])
@@ -187,7 +188,7 @@ def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
     info: dict[str, Any] = {"path": path, "config": spec.backbone.config, "epochs": spec.backbone.epochs,
                             "made_here_s": None}
     if (REPO_ROOT / path).is_file():
-        return info
+        return info | {"sha256": _sha256(REPO_ROOT / path)}
     command = [sys.executable, "-m", "pipetransformer.cli", "pretrain", str(CONFIG_DIR / spec.backbone.config),
                "--out", path, "--epochs", str(spec.backbone.epochs)]
     print(f"[{time.strftime('%H:%M:%S')}] no {path} yet: {' '.join(command[2:])}", flush=True)
@@ -198,7 +199,13 @@ def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
     if completed.returncode != 0:
         raise RuntimeError(f"pretraining the backbone failed (exit {completed.returncode}); see {log_path}")
     info["made_here_s"] = time.perf_counter() - started
-    return info
+    return info | {"sha256": _sha256(REPO_ROOT / path)}
+
+
+def _sha256(path: Path) -> str:
+    """Which backbone a run fine-tuned: pretraining is not bit-identical across machines, so accuracies of runs on
+    different backbones do not pool."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def run_training(name: str, config: Path, repeat: int, runs_dir: Path, overrides: Sequence[str],

@@ -334,11 +334,20 @@ def _report(payload: dict[str, Any], resumed: bool) -> str:
 def _pool(paths: list[Path]) -> int:
     """Accuracy only, over the seeds of several recorded runs of a task (e.g. a run and the seeds ``--first-seed``
     added to it): the paired test and final-validation differences to ``ddp``. Wall times are left out: runs of
-    different launches met different machine states. Refuses a seed recorded twice."""
+    different launches met different machine states. Refuses a seed recorded twice, and runs that fine-tuned
+    different backbones (or a backbone whose sha256 was not recorded: runs before 2026-11-25)."""
     by_task: dict[str, list[RunResult]] = {}
+    backbones: dict[str, dict[str, str | None]] = {}
     for path in paths:
         for task, entry in json.loads(path.read_text())["tasks"].items():
             by_task.setdefault(task, []).extend(RunResult(**run) for run in entry["runs"])
+            if entry["backbone"] is not None:
+                backbones.setdefault(task, {})[path.name] = entry["backbone"].get("sha256")
+    for task, hashes in backbones.items():
+        if len(hashes) > 1 and (len(set(hashes.values())) > 1 or None in hashes.values()):
+            listed = ", ".join(f"{name}: {sha[:12] if sha else 'not recorded'}" for name, sha in hashes.items())
+            raise SystemExit(f"error: {task}: the runs fine-tuned different (or unrecorded) backbones ({listed}); "
+                             "pool only files of one backbone")
     lines = [f"Pooled accuracy: `.venv/bin/python benchmarks/freeze_transfer/main.py --pool "
              f"{' '.join(p.name for p in paths)}`", ""]
     for task in sorted(by_task, key=TRANSFER_TASKS.index):
