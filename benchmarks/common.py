@@ -203,8 +203,8 @@ def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
 
 
 def _sha256(path: Path) -> str:
-    """Which backbone a run fine-tuned: pretraining is not bit-identical across machines, so accuracies of runs on
-    different backbones do not pool."""
+    """Which backbone a run fine-tuned: pretraining need not be bit-identical across machines (it was on two VMs of
+    2026-11-25, and was not on an earlier one), so accuracies pool only over runs of one backbone."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
