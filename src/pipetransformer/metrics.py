@@ -118,10 +118,11 @@ def truncate_log(path: Path, step: int) -> None:
     os.truncate(path, offset if keep is None else keep)
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically (temporary name, then rename) so a reader never sees half a file."""
+def write_json(path: Path, payload: dict[str, Any], indent: int | None = 2) -> None:
+    """Write atomically (temporary name, then rename) so a reader never sees half a file; ``indent=None`` keeps
+    long lists of numbers on one line."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(payload, indent=indent, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 

@@ -6,6 +6,7 @@ pipeline or elastic machinery; only the float rounding of sums split across rank
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,9 @@ def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
     assert decisions, "the gradient policy froze nothing"
     assert decisions == [d["frozen"] for d in summary(reference)["freeze_decisions"]]
     assert summary(parallel)["freeze_outcome"].startswith(f"{len(decisions[-1])} of ")
+    # the test split's per-sample accuracy, gathered from both ranks' shards into the split's order
+    shards, whole = (json.loads((run / "test_samples.json").read_text())["final"] for run in (parallel, reference))
+    assert shards == whole and sum(shards) / len(shards) == summary(parallel)["test_accuracy"]
 
 
 def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_path: Path) -> None:

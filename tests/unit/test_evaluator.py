@@ -32,7 +32,18 @@ def test_a_regression_is_scored_by_mean_absolute_error() -> None:
     assert mae == pytest.approx(expected, rel=1e-6)
 
 
+def test_sample_metrics_are_each_samples_metric_in_the_datasets_order() -> None:
+    model, dataset = tiny_model(), tiny_dataset()
+    with torch.no_grad():
+        logits = model(*dataset.get_batch(list(range(ROWS))).inputs)
+    expected = (logits.argmax(-1) == dataset.labels).double()
+    values = Evaluator(model, classification(), env(), batch_size=BATCH).sample_metrics(dataset)
+    assert torch.equal(values, expected) and 0 < int(values.sum()) < ROWS
+
+
 def test_test_reports_the_final_model_alone_when_no_best_weights_were_kept() -> None:
-    result = Evaluator(tiny_model(), classification(), env(), batch_size=BATCH).test(tiny_dataset(), best=None)
+    result, samples = Evaluator(tiny_model(), classification(), env(), batch_size=BATCH).test(tiny_dataset(), best=None)
     assert result["test_samples"] == ROWS and result["test_accuracy_at_best_validation"] is None
     assert result["best_validation_step"] is None and 0.0 <= result["test_accuracy"] <= 1.0
+    assert samples["at_best_validation"] is None and len(samples["final"]) == ROWS
+    assert sum(samples["final"]) / ROWS == pytest.approx(result["test_accuracy"], abs=1e-12)

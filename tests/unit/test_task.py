@@ -1,4 +1,4 @@
-"""Tasks: loss and metric are sums over the rows (so shards and micro-batches add up), and which way is better."""
+"""Tasks: the loss is a sum over the rows (so shards and micro-batches add up), the metric one value per row, and\nwhich way is better."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_classification_sums_cross_entropy_and_counts_correct_rows() -> None:
     torch.testing.assert_close(task.loss(logits, labels), nn.functional.cross_entropy(logits, labels) * 3)
     halves = task.loss(logits[:1], labels[:1]) + task.loss(logits[1:], labels[1:])
     torch.testing.assert_close(halves, task.loss(logits, labels))
-    assert int(task.metric_sum(logits, labels)) == 2
+    assert task.sample_metric(logits, labels).tolist() == [1.0, 0.0, 1.0]
     assert task.metric == "accuracy" and task.better(0.6, 0.5) and not task.better(0.5, 0.5)
     assert task.best([0.5, 0.7, 0.6]) == 0.7 and task.best([]) is None
 
@@ -32,7 +32,7 @@ def test_regression_predicts_the_label_value_with_squared_error_and_reports_abso
     targets = task.targets(torch.tensor([1, 3, 9]))
     assert task.outputs(tiny_dataset()) == 1 and targets.dtype == torch.float32
     assert float(task.loss(outputs, targets)) == pytest.approx(0.0 + 0.25 + 4.0)
-    assert float(task.metric_sum(outputs, targets)) == pytest.approx(0.0 + 0.5 + 2.0)
+    assert task.sample_metric(outputs, targets).tolist() == pytest.approx([0.0, 0.5, 2.0])
     assert task.metric == "mae" and task.better(0.4, 0.5) and task.best([0.5, 0.3, 0.4]) == 0.3
 
 

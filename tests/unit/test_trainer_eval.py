@@ -75,6 +75,10 @@ def test_the_test_split_is_evaluated_once_at_the_end_and_never_steers_training(t
     best = max(summary["eval_history"], key=lambda e: e["accuracy"])  # the first of equal accuracies
     assert summary["best_validation_step"] == best["step"]
     assert summary["test_accuracy_at_best_validation"] is not None
+    per_sample = json.loads((tmp_path / "a" / "test_samples.json").read_text())
+    assert per_sample["metric"] == "accuracy" and len(per_sample["final"]) == 96
+    for key, field in (("final", "test_accuracy"), ("at_best_validation", "test_accuracy_at_best_validation")):
+        assert set(per_sample[key]) <= {0.0, 1.0} and sum(per_sample[key]) / 96 == summary[field]
     # Another test split (a subset of it) changes nothing before the test: training never reads it.
     other, other_records = _train(tmp_path / "b", *COHERENCE_FREEZING, "data.max_test_samples=32")
     assert other["test_samples"] == 32

@@ -1,7 +1,7 @@
 """The task's metric of the current model on a split, sharded over every rank, each running the whole model.
 
 Before an evaluation the blocks' owners give every rank the current weights (``ElasticLayout.share_model``);
-each rank then evaluates every world-size-th sample, and the sums are all-reduced. Validation samples go
+each rank then evaluates every world-size-th sample, and the per-sample values are all-reduced. Validation samples go
 through the frozen-prefix cache; the test split, evaluated once, does not.
 """
 
@@ -40,36 +40,47 @@ class Evaluator:
 
     def evaluate(self, dataset: IndexedDataset, use_cache: bool = False) -> float:
         """The task's metric over ``dataset`` (every rank must call)."""
+        return float(self.sample_metrics(dataset, use_cache).mean())
+
+    def sample_metrics(self, dataset: IndexedDataset, use_cache: bool = False) -> torch.Tensor:
+        """The task's metric of each sample of ``dataset``, in its order, on every rank (every rank must call): each
+        rank fills in the samples it evaluated, zeros elsewhere, and the all-reduce sums the shards into place."""
         if self.layout is not None:
             self.layout.share_model()
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64)  # metric sum, samples
+        values = torch.zeros(len(dataset), dtype=torch.float64)
         indices = list(range(self.env.rank, len(dataset), self.env.world_size))
         for start in range(0, len(indices), self.batch_size):
-            batch = dataset.get_batch(indices[start:start + self.batch_size])
+            chunk = indices[start:start + self.batch_size]
+            batch = dataset.get_batch(chunk)
             outputs = self.outputs(batch, use_cache=use_cache)
-            totals[0] += float(self.task.metric_sum(outputs.cpu(), self.task.targets(batch.labels)))
-            totals[1] += len(batch)
+            values[chunk] = self.task.sample_metric(outputs.cpu(), self.task.targets(batch.labels)).to(torch.float64)
         self.model.train()
         if self.env.distributed:
-            dist.all_reduce(totals)
-        return float(totals[0] / totals[1])
+            dist.all_reduce(values)
+        return values
 
-    def test(self, dataset: IndexedDataset, best: Checkpoint | None) -> dict[str, Any]:
+    def test(self, dataset: IndexedDataset, best: Checkpoint | None
+             ) -> tuple[dict[str, Any], dict[str, list[float] | None]]:
         """The test split's metric for the final model and, when they were kept, the best-validation weights
-        (loaded into the model: call once, at the end)."""
+        (loaded into the model: call once, at the end); and the same per sample, in the split's order
+        (``final``, ``at_best_validation``), which pairs two runs sample by sample."""
         metric = self.task.metric
-        result: dict[str, Any] = {f"test_{metric}": self.evaluate(dataset), "test_samples": len(dataset),
+        final = self.sample_metrics(dataset)
+        samples: dict[str, list[float] | None] = {"final": final.tolist(), "at_best_validation": None}
+        result: dict[str, Any] = {f"test_{metric}": float(final.mean()), "test_samples": len(dataset),
                                   f"test_{metric}_at_best_validation": None, "best_validation_step": None}
         if best is not None:
             with torch.no_grad():
                 self.model.load_state_dict(best.weights)
-            result[f"test_{metric}_at_best_validation"] = self.evaluate(dataset)
+            at_best = self.sample_metrics(dataset)
+            result[f"test_{metric}_at_best_validation"] = float(at_best.mean())
+            samples["at_best_validation"] = at_best.tolist()
             result["best_validation_step"] = best.step
         if self.env.is_main:
             logger.info("test %s %.4f (final model), %s at best validation", metric, result[f"test_{metric}"],
                         result[f"test_{metric}_at_best_validation"])
-        return result
+        return result, samples
 
     @torch.no_grad()
     def outputs(self, batch: Batch, use_cache: bool = True) -> torch.Tensor:

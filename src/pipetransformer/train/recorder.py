@@ -1,5 +1,5 @@
 """What a run leaves for people and tools: the progress bar, ``metrics.jsonl`` (and TensorBoard), the per-rank
-sample logs, ``config.yaml`` and ``summary.json``.
+sample logs, ``config.yaml``, ``summary.json`` and ``test_samples.json``.
 
 Only rank 0 writes metrics, the config and the summary; with ``run.record_samples`` every rank logs the
 sample indices its replica trained on. A resumed run cuts every log back to its checkpoint first, so each
@@ -24,11 +24,12 @@ from pipetransformer.train.state import Progress
 from pipetransformer.train.step import StepResult
 from pipetransformer.train.task import Task
 
-__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE"]
+__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE", "TEST_SAMPLES_FILE"]
 
 SAMPLE_LOG_PREFIX = "samples-rank"  # + rank + .jsonl (run.record_samples)
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
+TEST_SAMPLES_FILE = "test_samples.json"  # the test metric per sample, in the test split's order
 BAR_REFRESH_S = 1.0
 
 
@@ -139,6 +140,12 @@ class RunRecorder:
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.env.is_main:
             write_json(self.run_dir / SUMMARY_FILE, summary)
+
+    def write_test_samples(self, metric: str, samples: dict[str, list[float] | None]) -> None:
+        """Each test sample's metric (``final`` model, ``at_best_validation``): runs scored on the same test split
+        pair up sample by sample (``pipetransformer report``)."""
+        if self.env.is_main:
+            write_json(self.run_dir / TEST_SAMPLES_FILE, {"metric": metric, **samples}, indent=None)
 
     def close(self) -> None:
         self.stop()

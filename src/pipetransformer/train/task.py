@@ -21,20 +21,23 @@ __all__ = ["Task", "classification", "regression"]
 
 BatchSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(head output, targets) -> sum over the batch's rows``."""
+BatchRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(head output, targets) -> one value per row``."""
 
 
 @dataclass(frozen=True)
 class Task:
-    """``loss`` and ``metric_sum`` return sums over a batch's rows, never means: the trainer divides the loss
-    by the global batch (so replicas and micro-batches simply add up) and the metric by the evaluated samples
-    (so shards over ranks add up), which keeps every layout exact."""
+    """``loss`` returns a sum over a batch's rows, never a mean: the trainer divides it by the global batch (so
+    replicas and micro-batches simply add up), which keeps every layout exact. ``sample_metric`` returns one value
+    per row; the evaluator averages them over the split and keeps the test split's per sample, so two runs can be
+    compared sample by sample (their difference's error from the test set's own sampling)."""
 
     metric: str  # its name in records and the summary: eval_<metric>, test_<metric>, ...
     higher_is_better: bool  # picks the best validation (the weights tested at the end)
     outputs: Callable[[IndexedDataset], int]  # the head's width for a training set
     targets: Callable[[torch.Tensor], torch.Tensor]  # a batch's dataset labels -> what loss and metric compare with
     loss: BatchSum
-    metric_sum: BatchSum
+    sample_metric: BatchRows
 
     def better(self, value: float, than: float | None) -> bool:
         """Whether ``value`` improves on ``than`` (``None``: nothing measured yet)."""
@@ -62,13 +65,13 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def _correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (logits.argmax(-1) == targets).sum()
+    return (logits.argmax(-1) == targets).to(torch.float64)
 
 
 def classification() -> Task:
     """One logit per class, cross-entropy, accuracy."""
     return Task(metric="accuracy", higher_is_better=True, outputs=_class_count, targets=_class_ids,
-                loss=_cross_entropy_sum, metric_sum=_correct)
+                loss=_cross_entropy_sum, sample_metric=_correct)
 
 
 def _one_output(dataset: IndexedDataset) -> int:
@@ -83,12 +86,12 @@ def _squared_error_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.mse_loss(outputs.squeeze(-1), targets, reduction="sum")
 
 
-def _absolute_error_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.squeeze(-1) - targets).abs().sum()
+def _absolute_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.squeeze(-1) - targets).abs().to(torch.float64)
 
 
 def regression() -> Task:
     """One output, the label's value as a float target, squared error as the loss, mean absolute error (``mae``,
     lower is better) as the metric: it reads in the label's own units."""
     return Task(metric="mae", higher_is_better=False, outputs=_one_output, targets=_label_values,
-                loss=_squared_error_sum, metric_sum=_absolute_error_sum)
+                loss=_squared_error_sum, sample_metric=_absolute_error)

@@ -214,8 +214,9 @@ class Trainer:
         if self.config.run.save_model:
             self.checkpointer.save_model(self.state, self.run_dir)
         if completed:
-            result = self.evaluator.test(self.test_set, self.checkpointer.best())
+            result, samples = self.evaluator.test(self.test_set, self.checkpointer.best())
             self.recorder.event("test", {"step": self.progress.step, **result})
+            self.recorder.write_test_samples(self.task.metric, samples)
             summary.update(result)
         self.recorder.write_summary(summary)
         return summary
