@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.report import paired_test_difference
 from pipetransformer.train.recorder import TEST_SAMPLES_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -345,14 +346,21 @@ def _pool(paths: list[Path]) -> int:
     """Accuracy only, over the seeds of several recorded runs of a task (e.g. a run and the seeds ``--first-seed``
     added to it): the paired test and final-validation differences to ``ddp``. Wall times are left out: runs of
     different launches met different machine states. Refuses a seed recorded twice, and runs that fine-tuned
-    different backbones (or a backbone whose sha256 was not recorded: runs before 2026-11-25)."""
+    different backbones (or a backbone whose sha256 was not recorded: runs before 2026-11-25). Where a file has
+    per-sample accuracies (``--per-sample``), adds the test set's own sampling error of the paired differences."""
     by_task: dict[str, list[RunResult]] = {}
     backbones: dict[str, dict[str, str | None]] = {}
+    samples: dict[str, dict[str, dict[int, list[int]]]] = {}  # task -> config -> seed -> per-sample accuracy
     for path in paths:
         for task, entry in json.loads(path.read_text())["tasks"].items():
             by_task.setdefault(task, []).extend(RunResult(**run) for run in entry["runs"])
             if entry["backbone"] is not None:
                 backbones.setdefault(task, {})[path.name] = entry["backbone"].get("sha256")
+        if _per_sample_path(path).is_file():
+            for task, kept in json.loads(_per_sample_path(path).read_text())["tasks"].items():
+                for config, by_seed in kept["test_samples"].items():
+                    samples.setdefault(task, {}).setdefault(config, {}).update(
+                        {int(seed): values for seed, values in by_seed.items()})
     for task, hashes in backbones.items():
         if len(hashes) > 1 and (len(set(hashes.values())) > 1 or None in hashes.values()):
             listed = ", ".join(f"{name}: {sha[:12] if sha else 'not recorded'}" for name, sha in hashes.items())
@@ -375,8 +383,34 @@ def _pool(paths: list[Path]) -> int:
         lines += [f"### {task}: seeds {seeds[0]}-{seeds[-1]}", "",
                   markdown_table(["config", "runs", "test vs ddp, paired (mean ± SE)", "gate on test",
                                   "test mean - 1 SE", "final val vs ddp, paired", "gate on validation"], rows), ""]
+        if samples.get(task, {}).get("ddp"):
+            lines += _test_set_error(task, table, samples[task])
     print("\n".join(lines))
     return 0
+
+
+def _test_set_error(task: str, table: dict[str, dict[str, Any]], samples: dict[str, dict[int, list[int]]]
+                    ) -> list[str]:
+    """Per config, over the seeds whose runs and ``ddp``'s have per-sample test accuracies: the paired test
+    difference, its SE over seeds, the test set's sampling SE (``paired_test_difference``) and the two combined
+    (root sum of squares: conservative, the seed-by-sample interaction counts in both)."""
+    rows = []
+    for name in table:
+        seeds = sorted(set(samples.get(name, {})) & set(samples["ddp"])) if name != "ddp" else []
+        if not seeds:
+            continue
+        per_seed = [statistics.fmean(samples[name][s]) - statistics.fmean(samples["ddp"][s]) for s in seeds]
+        difference, test_se = paired_test_difference([samples[name][s] for s in seeds],
+                                                     [samples["ddp"][s] for s in seeds])
+        seed_se = _mean_se(per_seed)[1]
+        total = math.hypot(seed_se or 0.0, test_se or 0.0)
+        low = (difference - total) * PERCENT
+        rows.append([f"`{name}`", f"{seeds[0]}-{seeds[-1]} ({len(seeds)})", f"{difference * PERCENT:+.2f}",
+                     fmt(seed_se and seed_se * PERCENT), fmt(test_se and test_se * PERCENT), fmt(total * PERCENT),
+                     f"{low:+.2f} ({'meets' if low >= -ACCURACY_GATE_POINTS else 'misses'})"])
+    return [f"{task}: the test set's own error, over the seeds with per-sample test accuracies (points)", "",
+            markdown_table(["config", "seeds", "test vs ddp, paired", "SE over seeds", "SE from the test set",
+                            "both", "mean - 1 SE (both)"], rows), ""]
 
 
 def _rescore(path: Path) -> int:

@@ -1,9 +1,10 @@
 """``pipetransformer report``: plots and a markdown summary from run directories.
 
 A run directory is what ``pipetransformer train`` leaves behind: ``config.yaml``, ``summary.json`` and
-``metrics.jsonl``. The report puts several runs side by side so a speed-up claim can be read off one page:
-throughput and layout over wall time, accuracy against wall time, where each step's time goes, and the
-wall-time speed-up of every run over the first one (the baseline).
+``metrics.jsonl`` (and ``test_samples.json`` when the run finished). The report puts several runs side by side so
+a speed-up claim can be read off one page: throughput and layout over wall time, accuracy against wall time, where
+each step's time goes, the wall-time speed-up of every run over the first one (the baseline), and the test metric's
+difference to the baseline, paired sample by sample, with the error the test set's own sampling puts on it.
 
 Time axis: step records carry a ``perf_counter`` timestamp taken at the end of the step; the origin is the
 start of the first step (its timestamp minus its ``step_s``), which is also the origin of the eval records'
@@ -16,6 +17,7 @@ import json
 import logging
 import math
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +32,12 @@ from pipetransformer.metrics import (
     CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, eval_metric,
     tensorboard_available, tensorboard_scalars,
 )
+from pipetransformer.train.recorder import TEST_SAMPLES_FILE
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",
-    "load_run", "run_labels", "speedup", "layout_segments", "phase_means", "write_report", "write_tensorboard",
+    "load_run", "run_labels", "speedup", "paired_test_difference", "layout_segments", "phase_means", "write_report",
+    "write_tensorboard",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class Run:
     steps: list[dict[str, Any]]
     evals: list[dict[str, Any]]
     freezes: list[dict[str, Any]]
+    test_samples: dict[str, Any] | None = None  # test_samples.json: the test metric per sample
 
 
 @dataclass(frozen=True)
@@ -156,10 +161,11 @@ def load_run(path: Path) -> Run:
     summary = _read_json(path / "summary.json")
     records = _read_metrics(path / METRICS_FILE)
     name = (config.get("run") or {}).get("name") or path.name
+    test_samples = _read_json(path / TEST_SAMPLES_FILE) if (path / TEST_SAMPLES_FILE).is_file() else None
     return Run(path=path, name=str(name), config=config, summary=summary,
                steps=_relative_steps([r for r in records if r.get("event") == "step"]),
                evals=[r for r in records if r.get("event") == "eval"],
-               freezes=[r for r in records if r.get("event") == "freeze"])
+               freezes=[r for r in records if r.get("event") == "freeze"], test_samples=test_samples)
 
 
 def run_labels(runs: Sequence[Run]) -> list[str]:
@@ -178,6 +184,23 @@ def speedup(baseline_wall_s: float, wall_s: float) -> float:
     if wall_s <= 0:
         raise ValueError(f"wall time must be positive, got {wall_s}: the run directory's summary is damaged")
     return baseline_wall_s / wall_s
+
+
+def paired_test_difference(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]
+                           ) -> tuple[float, float | None]:
+    """The mean test-metric difference of runs to their baselines (one per-sample list per seed, paired by
+    position, all over the same test split in its order), and its standard error from the test set's sampling:
+    the per-sample differences averaged over the seeds, their standard deviation over the root of the sample count.
+    It is the error more seeds do not shrink (how far another test set of this size could move the difference);
+    the seeds' own error comes on top."""
+    if not runs or len(runs) != len(baselines):
+        raise ValueError(f"pair each run with one baseline: got {len(runs)} runs and {len(baselines)} baselines")
+    samples = len(runs[0])
+    if any(len(values) != samples for values in (*runs, *baselines)) or samples == 0:
+        raise ValueError("every run and baseline must score the same, non-empty test split")
+    per_sample = [statistics.fmean(run[i] - base[i] for run, base in zip(runs, baselines)) for i in range(samples)]
+    se = statistics.stdev(per_sample) / math.sqrt(samples) if samples > 1 else None
+    return statistics.fmean(per_sample), se
 
 
 def _phase_names(steps: Sequence[dict[str, Any]]) -> list[str]:
@@ -378,11 +401,25 @@ def _run_section(run: Run, label: str) -> list[str]:
     return lines
 
 
+def _paired_test_cell(run: Run, baseline: Run) -> str:
+    """``difference ± SE`` of the final models' test metric to the baseline's, sample by sample; ``n/a`` unless both
+    runs recorded the same metric over test splits of one size."""
+    mine, theirs = run.test_samples, baseline.test_samples
+    if (mine is None or theirs is None or mine.get("metric") != theirs.get("metric")
+            or len(mine["final"]) != len(theirs["final"])):
+        return "n/a"
+    difference, se = paired_test_difference([mine["final"]], [theirs["final"]])
+    return f"{difference:+.{ACCURACY_DIGITS}f} ± {_number(se, ACCURACY_DIGITS)}"
+
+
 def _comparison_section(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     base = runs[0].summary
     lines = ["## Comparison", "",
              f"Baseline: the first run given, **{labels[0]}**. Speed-up = baseline wall time / run wall time "
-             "(above 1: the run finished faster); samples/s ratio = run samples/s / baseline samples/s.", ""]
+             "(above 1: the run finished faster); samples/s ratio = run samples/s / baseline samples/s. Test vs "
+             "baseline: the final model's test metric minus the baseline's, paired sample by sample, ± its standard "
+             "error from the test set's sampling (the training seed's own noise is not in it: compare seeds for "
+             "that).", ""]
     rows = []
     for run, label in zip(runs, labels):
         s = run.summary
@@ -392,10 +429,11 @@ def _comparison_section(runs: Sequence[Run], labels: Sequence[str]) -> list[str]
                      _number(speedup(base["wall_time_s"], s["wall_time_s"]), RATIO_DIGITS),
                      _number(s.get("samples_per_s"), RATE_DIGITS), _number(ratio, RATIO_DIGITS),
                      s.get("train_samples", "n/a"),
-                     _number(s.get(f"eval_{eval_metric(run.evals)}"), ACCURACY_DIGITS)])
+                     _number(s.get(f"eval_{eval_metric(run.evals)}"), ACCURACY_DIGITS),
+                     _paired_test_cell(run, runs[0])])
     metrics = " / ".join(sorted({eval_metric(run.evals) for run in runs}))
     lines += _table(["run", "wall time (s)", "speed-up", "samples/s", "samples/s ratio", "train samples",
-                     f"final {metrics}"], rows)
+                     f"final {metrics}", "test vs baseline (± test-set SE)"], rows)
     if len({run.summary.get("train_samples") for run in runs}) > 1:
         lines += ["Note: the runs trained on different numbers of samples, so their wall times do not measure the "
                   "same work; compare the samples/s ratio instead.", ""]

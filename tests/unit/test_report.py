@@ -16,8 +16,8 @@ from jobs import event_scalars, logged_records, run_job
 from matplotlib.image import imread
 
 from pipetransformer.cli import main
-from pipetransformer.report import (OTHER_PHASE, RunDirError, layout_segments, load_run, phase_means, run_labels,
-                                    speedup, write_report, write_tensorboard)
+from pipetransformer.report import (OTHER_PHASE, RunDirError, layout_segments, load_run, paired_test_difference,
+                                    phase_means, run_labels, speedup, write_report, write_tensorboard)
 
 IMAGES = ("throughput.png", "layout.png", "accuracy.png", "breakdown.png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -151,6 +151,29 @@ def test_runs_with_different_work_are_flagged(tmp_path: Path) -> None:
     assert [(r[2], r[4]) for r in rows] == [("1.000", "1.000"), ("1.000", "2.000")]
     assert "different numbers of samples" in markdown
     assert (a / "report" / "report.md").is_file()
+
+
+def test_test_metrics_are_paired_sample_by_sample_with_the_test_sets_error(tmp_path: Path) -> None:
+    baseline, run, unscored = (_write_run(tmp_path / name, name, 10.0) for name in ("base", "run", "unscored"))
+    for path, final in ((baseline, [1, 1, 0, 0]), (run, [1, 0, 1, 1])):
+        (path / "test_samples.json").write_text(json.dumps({"metric": "accuracy", "final": final,
+                                                            "at_best_validation": None}))
+    rows = _table_rows((write_report([baseline, run, unscored], None) / "report.md").read_text(),
+                       "| run | wall time (s) | speed-up |")
+    # differences 0, -1, +1, +1: mean 0.25, sample standard deviation sqrt(2.75 / 3), over sqrt(4)
+    assert [r[-1] for r in rows] == ["+0.0000 ± 0.0000", "+0.2500 ± 0.4787", "n/a"]
+
+
+def test_the_paired_difference_averages_seeds_per_sample_before_the_test_sets_error() -> None:
+    # two seeds that disagree on every sample cancel: no difference and no spread left over the test set
+    difference, se = paired_test_difference([[1, 0, 1], [0, 1, 0]], [[0, 1, 0], [1, 0, 1]])
+    assert difference == 0.0 and se == 0.0
+    difference, se = paired_test_difference([[1, 1], [1, 0]], [[0, 0], [0, 0]])
+    assert difference == 0.75 and se == pytest.approx(0.25)  # per sample 1.0 and 0.5
+    with pytest.raises(ValueError, match="pair each run with one baseline"):
+        paired_test_difference([[1, 0]], [])
+    with pytest.raises(ValueError, match="same, non-empty test split"):
+        paired_test_difference([[1, 0]], [[1]])
 
 
 def test_phase_means_add_up_to_the_step_time() -> None:
