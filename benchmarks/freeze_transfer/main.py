@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.metrics import TEST_SAMPLES_FILE
 from pipetransformer.report import paired_test_difference
-from pipetransformer.train.recorder import TEST_SAMPLES_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up

@@ -27,6 +27,7 @@ __all__ = ["StepTimer", "JsonlWriter", "MetricsLog", "write_json", "device_synch
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TEST_SAMPLES_FILE = "test_samples.json"  # the test metric per sample, in the test split's order
 TENSORBOARD_DIR_NAME = "tensorboard"
 # Fields of a step record that describe the layout it ran under, with their plot titles.
 LAYOUT_FIELDS = (("frozen_layers", "frozen layers"), ("stages", "pipeline stages"),

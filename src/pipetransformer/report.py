@@ -29,10 +29,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pipetransformer.metrics import (
-    CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, eval_metric,
-    tensorboard_available, tensorboard_scalars,
+    CACHE_FIELD_PREFIX, LAYOUT_FIELDS, METRICS_FILE, NON_PHASE_SECONDS, TENSORBOARD_DIR_NAME, TEST_SAMPLES_FILE,
+    eval_metric, tensorboard_available, tensorboard_scalars,
 )
-from pipetransformer.train.recorder import TEST_SAMPLES_FILE
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",

@@ -1,8 +1,8 @@
 """The task's metric of the current model on a split, sharded over every rank, each running the whole model.
 
 Before an evaluation the blocks' owners give every rank the current weights (``ElasticLayout.share_model``);
-each rank then evaluates every world-size-th sample, and the per-sample values are all-reduced. Validation samples go
-through the frozen-prefix cache; the test split, evaluated once, does not.
+each rank then evaluates every world-size-th sample, and the per-sample values are all-reduced. Validation
+samples go through the frozen-prefix cache; the test split, evaluated once, does not.
 """
 
 from __future__ import annotations

@@ -18,18 +18,17 @@ import yaml
 from pipetransformer.cache.prefix import CacheMetrics
 from pipetransformer.config import Config, config_to_dict
 from pipetransformer.distributed import DistEnv
-from pipetransformer.metrics import JsonlWriter, MetricsLog, StepTimer, truncate_log, write_json
+from pipetransformer.metrics import TEST_SAMPLES_FILE, JsonlWriter, MetricsLog, StepTimer, truncate_log, write_json
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.state import Progress
 from pipetransformer.train.step import StepResult
 from pipetransformer.train.task import Task
 
-__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE", "TEST_SAMPLES_FILE"]
+__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE"]
 
 SAMPLE_LOG_PREFIX = "samples-rank"  # + rank + .jsonl (run.record_samples)
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
-TEST_SAMPLES_FILE = "test_samples.json"  # the test metric per sample, in the test split's order
 BAR_REFRESH_S = 1.0
 
 
