@@ -13,7 +13,9 @@ default freezer alone), ``fixed2`` / ``fixed3`` (the bottom 2 / 3 layers frozen 
 ``geometric`` (the geometric schedule alone, alpha 1/3, cached). No memory budget is forced: every config runs
 the layout the planner picks (the model fits one worker). Every seed trains on the same data subset and is
 scored on the same test split (``data.split_seed`` is fixed); the test split is evaluated once, at the end,
-on the final model. Writes ``results[-quick].md`` / ``.json`` here and a section of ``benchmarks/README.md``.
+on the final model. Writes ``results[-quick].md`` / ``.json`` here, each run's per-sample test accuracy in
+``per-sample-results[-quick].json`` (``--pool`` adds the test set's own error from it), and a section of
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -432,6 +434,26 @@ def _per_sample_path(results: Path) -> Path:
     return results.with_name(PER_SAMPLE_PREFIX + results.name)
 
 
+def _test_samples(run: RunResult) -> list[int] | None:
+    """Each test sample's accuracy (1 or 0) of the run's final model, from its run directory (runs since
+    2026-11-25 write it)."""
+    path = Path(run.run_dir) / TEST_SAMPLES_FILE
+    return [int(value) for value in json.loads(path.read_text())["final"]] if run.ok and path.is_file() else None
+
+
+def _write_per_sample(results: Path, payload: dict[str, Any]) -> None:
+    """The launch's per-sample test accuracies beside its results file, for ``--pool``."""
+    record: dict[str, Any] = {"source": results.name, "machine": payload["machine"], "tasks": {}}
+    for name, entry in payload["tasks"].items():
+        kept: dict[str, dict[str, list[int]]] = {}
+        for run in entry["runs"]:
+            values = _test_samples(run)
+            if values is not None:
+                kept.setdefault(run.name, {})[str(run.repeat)] = values
+        record["tasks"][name] = {"test_samples": kept, "differing": []}
+    _per_sample_path(results).write_text(json.dumps(record, sort_keys=True) + "\n")
+
+
 def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> int:
     """Re-run a recorded launch's finished runs (of ``configs``) with their recorded settings, to keep each test
     sample's accuracy: runs before 2026-11-25 recorded only the mean. On the machine that recorded it a run repeats
@@ -457,8 +479,7 @@ def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> in
                                  runs_dir / payload["mode"] / name / "per-sample",
                                  [*shared, f"seed={run.repeat}", *member.overrides], nproc=member.nproc)
             if rerun.ok and all(rerun.summary[key] == run.summary[key] for key in REPEATED):
-                final = json.loads((Path(rerun.run_dir) / TEST_SAMPLES_FILE).read_text())["final"]
-                kept["test_samples"].setdefault(run.name, {})[str(run.repeat)] = [int(value) for value in final]
+                kept["test_samples"].setdefault(run.name, {})[str(run.repeat)] = _test_samples(rerun)
             else:
                 kept["differing"].append({"config": run.name, "seed": run.repeat, "error": rerun.error,
                                           **{f"{key}_recorded": run.summary[key] for key in REPEATED},
@@ -545,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = _report(payload, args.resume)
     stem = _stem(mode, args.first_seed, args.tasks)
     write_results(HERE, stem, markdown, payload)
+    _write_per_sample(HERE / f"{stem}.json", payload)
     if stem == _stem(mode):
         _publish(mode, markdown)
     print(f"results: {HERE / (stem + '.md')}", flush=True)
