@@ -42,7 +42,8 @@ def test_sample_metrics_are_each_samples_metric_in_the_datasets_order() -> None:
 
 
 def test_test_reports_the_final_model_alone_when_no_best_weights_were_kept() -> None:
-    result, samples = Evaluator(tiny_model(), classification(), env(), batch_size=BATCH).test(tiny_dataset(), best=None)
+    evaluator = Evaluator(tiny_model(), classification(), env(), batch_size=BATCH)
+    result, samples = evaluator.test(tiny_dataset(), best=None)
     assert result["test_samples"] == ROWS and result["test_accuracy_at_best_validation"] is None
     assert result["best_validation_step"] is None and 0.0 <= result["test_accuracy"] <= 1.0
     assert samples["at_best_validation"] is None and len(samples["final"]) == ROWS

@@ -1,4 +1,5 @@
-"""Tasks: the loss is a sum over the rows (so shards and micro-batches add up), the metric one value per row, and\nwhich way is better."""
+"""Tasks: the loss is a sum over the rows (so shards and micro-batches add up), the metric one value per row, and
+which way is better."""
 
 from __future__ import annotations
 
