@@ -457,7 +457,7 @@ def _write_per_sample(results: Path, payload: dict[str, Any]) -> None:
 def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> int:
     """Re-run a recorded launch's finished runs (of ``configs``) with their recorded settings, to keep each test
     sample's accuracy: runs before 2026-11-25 recorded only the mean. A run repeats itself bit for bit on CPU (the
-    seed fixes data order, head and dropout; 72 of 72 did, some recorded on another VM), so a rerun counts only when
+    seed fixes data order, head and dropout; 84 of 84 did, some recorded on other VMs), so a rerun counts only when
     its validation and test accuracies equal the recorded ones; one that differs is listed, not used. Writes
     ``per-sample-<file>`` beside the results file after every run and keeps what it holds, so an interrupted call
     goes on where it stopped."""
