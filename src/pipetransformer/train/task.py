@@ -22,7 +22,7 @@ __all__ = ["Task", "classification", "regression"]
 BatchSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(head output, targets) -> sum over the batch's rows``."""
 BatchRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(head output, targets) -> one value per row``."""
+"""``(head output, targets) -> one value per row`` (any dtype: the evaluator keeps them as float64)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def _correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (logits.argmax(-1) == targets).to(torch.float64)
+    return logits.argmax(-1) == targets
 
 
 def classification() -> Task:
@@ -87,7 +87,7 @@ def _squared_error_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 def _absolute_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.squeeze(-1) - targets).abs().to(torch.float64)
+    return (outputs.squeeze(-1) - targets).abs()
 
 
 def regression() -> Task:
