@@ -351,22 +351,36 @@ def _report(payload: dict[str, Any], resumed: bool) -> str:
         *sections])
 
 
-def _pool(paths: list[Path]) -> int:
+def _pool_source(text: str) -> tuple[Path, frozenset[str] | None]:
+    """``--pool`` names a results file, or ``FILE:task,task`` to take only those tasks of it (e.g. a full run's text
+    tasks, where its Fashion-MNIST seeds fine-tuned another backbone)."""
+    path, _, tasks = text.rpartition(":")
+    if path and tasks and set(tasks.split(",")) <= set(TRANSFER_TASKS):
+        return Path(path), frozenset(tasks.split(","))
+    return Path(text), None
+
+
+def _pool(sources: list[tuple[Path, frozenset[str] | None]]) -> int:
     """Accuracy only, over the seeds of several recorded runs of a task (e.g. a run and the seeds ``--first-seed``
     added to it): the paired test and final-validation differences to ``ddp``. Wall times are left out: runs of
-    different launches met different machine states. Refuses a seed recorded twice, and runs that fine-tuned
-    different backbones (or a backbone whose sha256 was not recorded: runs before 2026-11-25). Where a file has
-    per-sample accuracies (``--per-sample``), adds the test set's own sampling error of the paired differences."""
+    different launches met different machine states. Refuses a seed recorded twice (unless both records repeat each
+    other exactly), and runs that fine-tuned different backbones (or a backbone whose sha256 was not recorded: runs
+    before 2026-11-25). Where a file has per-sample accuracies (``--per-sample``), adds the test set's own sampling
+    error of the paired differences. Ends with the accuracy gate over every pooled task at once."""
     by_task: dict[str, list[RunResult]] = {}
     backbones: dict[str, dict[str, str | None]] = {}
     samples: dict[str, dict[str, dict[int, list[int]]]] = {}  # task -> config -> seed -> per-sample accuracy
-    for path in paths:
+    for path, only in sources:
         for task, entry in json.loads(path.read_text())["tasks"].items():
+            if only is not None and task not in only:
+                continue
             by_task.setdefault(task, []).extend(RunResult(**run) for run in entry["runs"])
             if entry["backbone"] is not None:
                 backbones.setdefault(task, {})[path.name] = entry["backbone"].get("sha256")
         if _per_sample_path(path).is_file():
             for task, kept in json.loads(_per_sample_path(path).read_text())["tasks"].items():
+                if only is not None and task not in only:
+                    continue
                 for config, by_seed in kept["test_samples"].items():
                     samples.setdefault(task, {}).setdefault(config, {}).update(
                         {int(seed): values for seed, values in by_seed.items()})
@@ -375,11 +389,12 @@ def _pool(paths: list[Path]) -> int:
             listed = ", ".join(f"{name}: {sha[:12] if sha else 'not recorded'}" for name, sha in hashes.items())
             raise SystemExit(f"error: {task}: the runs fine-tuned different (or unrecorded) backbones ({listed}); "
                              "pool only files of one backbone")
-    lines = [f"Pooled accuracy: `.venv/bin/python benchmarks/freeze_transfer/main.py --pool "
-             f"{' '.join(p.name for p in paths)}`", ""]
+    named = [path.name + (f":{','.join(sorted(only))}" if only is not None else "") for path, only in sources]
+    lines = [f"Pooled accuracy: `.venv/bin/python benchmarks/freeze_transfer/main.py --pool {' '.join(named)}`", ""]
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
     for task in sorted(by_task, key=TRANSFER_TASKS.index):
         results = _distinct_runs(task, by_task[task])
-        table = _aggregate(results, [name for name in CONFIGS if any(r.name == name for r in results)])
+        table = tables[task] = _aggregate(results, [name for name in CONFIGS if any(r.name == name for r in results)])
         seeds = sorted({r.repeat for r in results if r.ok})
         verdict = {True: "meets", False: "misses"}
         rows = [[f"`{name}`", str(row["runs"]), _points(row, "paired"), verdict[_meets_accuracy_gate(task, row)],
@@ -390,8 +405,24 @@ def _pool(paths: list[Path]) -> int:
                                   "test mean - 1 SE", "final val vs ddp, paired", "gate on validation"], rows), ""]
         if samples.get(task, {}).get("ddp"):
             lines += _test_set_error(task, table, samples[task])
+    lines += _whole_gate(tables)
     print("\n".join(lines))
     return 0
+
+
+def _whole_gate(tables: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The accuracy gate over every pooled task at once: a config is one setting for every task, as the default
+    is, so a fixed freeze competes with ``all`` on speed only when it meets the gate on all of them."""
+    configs = [name for name in CONFIGS if name != "ddp" and all(name in table for table in tables.values())]
+    rows = []
+    for name in configs:
+        cells = []
+        for prefix in ("paired", "val_paired"):
+            missed = [task for task, table in tables.items() if not _meets_accuracy_gate(task, table[name], prefix)]
+            cells.append("meets" if not missed else f"misses ({', '.join(missed)})")
+        rows.append([f"`{name}`", *cells])
+    return [f"The accuracy gate over every task at once ({', '.join(tables)})", "",
+            markdown_table(["config", "on test", "on validation"], rows), ""] if rows else []
 
 
 def _distinct_runs(task: str, results: list[RunResult]) -> list[RunResult]:
@@ -428,7 +459,7 @@ def _test_set_error(task: str, table: dict[str, dict[str, Any]], samples: dict[s
                      f"{low:+.2f} ({'meets' if low >= -ACCURACY_GATE_POINTS else 'misses'})"])
     return [f"{task}: the test set's own error, over the seeds with per-sample test accuracies (points)", "",
             markdown_table(["config", "seeds", "test vs ddp, paired", "SE over seeds", "SE from the test set",
-                            "both", "mean - 1 SE (both)"], rows), ""]
+                            "both", "mean - 1 SE (both)"], rows), ""] if rows else []
 
 
 def _rescore(path: Path) -> int:
@@ -536,13 +567,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the runs an interrupted launch finished (their recorded results) and run the rest")
     parser.add_argument("--rescore", type=Path, metavar="RESULTS_JSON",
                         help="run nothing: recompute a recorded results*.json's tables and gates, rewrite its .md")
-    parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS_JSON",
-                        help="run nothing: accuracy over the seeds of several results*.json of the same tasks")
+    parser.add_argument("--pool", type=_pool_source, nargs="+", metavar="RESULTS_JSON[:TASK,...]",
+                        help="run nothing: accuracy over the seeds of several results*.json of the same tasks "
+                             "(FILE:task,task takes only those tasks of FILE)")
     parser.add_argument("--per-sample", type=Path, metavar="RESULTS_JSON",
                         help="re-run a recorded launch's runs (--configs of them) to keep each test sample's accuracy")
     args = parser.parse_args(argv)
     if args.pool:
-        missing = [str(path) for path in args.pool if not path.is_file()]
+        missing = [str(path) for path, _ in args.pool if not path.is_file()]
         if missing:
             parser.error(f"--pool: no such file {', '.join(missing)}; give results*.json files this benchmark wrote")
         return _pool(args.pool)
