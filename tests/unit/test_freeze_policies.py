@@ -26,6 +26,8 @@ from pipetransformer.freeze.policies import (
 )
 
 NUM_LAYERS = 6
+DECIDING_POLICIES = tuple(name for name in POLICY_NAMES if name != "schedule")
+"""The policies ``max_fraction`` caps: all but the explicit schedule."""
 DEFAULTS: dict[str, Any] = {
     "interval": 1,
     "interval_unit": "steps",
@@ -106,13 +108,20 @@ def test_max_fraction_caps_every_policy() -> None:
     # policy wants 4 layers; coherence wants the 3 whose gradients turned to noise by step 19; the others want all 6.
     trace = stable_bottom_trace(windows=20, stable=4)
     wanted = {"gradient": 4, "coherence": 19 // STEPS_PER_CONVERGED_LAYER, "none": 0}
-    for name in POLICY_NAMES:
-        extra = {"schedule": [[1, 2], [3, NUM_LAYERS]]} if name == "schedule" else {}
-        for max_fraction, cap in [(0.5, 3), (0.84, 5), (0.0, 0)]:
-            policy = build(name, alpha=1.0, percentile=75.0, max_fraction=max_fraction, **extra)
+    for name in DECIDING_POLICIES:
+        for max_fraction, cap in [(1 / 3, 2), (0.5, 3), (0.84, 5), (0.0, 0)]:
+            policy = build(name, alpha=1.0, percentile=75.0, max_fraction=max_fraction)
             counts = frozen_counts(run(policy, trace))
             assert max(counts) <= cap, (name, max_fraction)
             assert counts[-1] == min(cap, wanted.get(name, NUM_LAYERS)), (name, max_fraction)
+
+
+def test_a_schedule_freezes_what_it_lists_at_any_max_fraction() -> None:
+    """The bound guards the deciding policies; an explicit schedule capped by it would freeze fewer layers than
+    the user wrote, without a word."""
+    for max_fraction in (0.0, 1 / 3, 1.0):
+        policy = build("schedule", max_fraction=max_fraction, schedule=[[1, 2], [3, NUM_LAYERS - 1]])
+        assert frozen_counts(run(policy, [[1.0] * NUM_LAYERS] * 5)) == [2, 2, NUM_LAYERS - 1, NUM_LAYERS - 1, NUM_LAYERS - 1]
 
 
 def test_gradient_freezes_the_layers_whose_norms_stopped_changing() -> None:
@@ -274,7 +283,8 @@ def test_every_policy_is_monotone_and_capped(
         if decision is not None:
             assert decision.frozen > previous and decision.frozen == policy.frozen
             json.dumps(decision.details)
-        assert len(policy.frozen) <= math.floor(max_fraction * NUM_LAYERS + 1e-9)
+        if name in DECIDING_POLICIES:
+            assert len(policy.frozen) <= math.floor(max_fraction * NUM_LAYERS + 1e-9)
         previous = policy.frozen
 
 
@@ -509,7 +519,7 @@ def test_fraction_windows_scale_with_the_run_above_a_floor(fraction: float, tota
 
 def test_policy_from_settings_turns_a_fraction_into_steps() -> None:
     settings = FreezeConfig(enabled=True, policy="geometric", interval=0.1, interval_unit="fraction",
-                            min_window_steps=5, alpha=1 / 3)
+                            min_window_steps=5, alpha=1 / 3, max_fraction=0.5)
     policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=200)
     assert (policy.interval, policy.interval_unit) == (20, "steps")
     counts = frozen_counts(run(policy, [[1.0] * NUM_LAYERS] * 40))

@@ -5,7 +5,8 @@ Layers are 0-based transformer layer indices (layer ``i`` is block ``i + 1`` of 
 the embeddings block freezes with layer 0 and the head never freezes.
 
 Every policy is monotone (a frozen layer never thaws: its cached outputs and the pipeline built
-around it stay valid) and capped by ``max_fraction`` so some layers always keep learning.
+around it stay valid). The deciding policies are capped by ``max_fraction`` so some layers always keep
+learning; a schedule is the user's explicit plan and freezes what it lists.
 Policies count steps and epochs themselves from ``decide`` calls (a step is counted when ``step``
 differs from the previous call's), so how a trainer numbers its steps (0- or 1-based) cannot shift a
 window, and a trainer may call once more at an epoch's end with the same ``step`` and
@@ -269,7 +270,11 @@ class RandomPolicy(GeometricPolicy):
 
 
 class SchedulePolicy(FreezePolicy):
-    """Explicit ``(at, frozen_count)`` pairs: once ``at`` steps (or epochs) are done, freeze that many first layers."""
+    """Explicit ``(at, frozen_count)`` pairs: once ``at`` steps (or epochs) are done, freeze that many first layers.
+
+    ``max_fraction`` does not cap it: the bound guards the policies that decide for themselves, and a schedule
+    that froze fewer layers than it lists would be silently wrong (``[[0, 3]]`` of six layers is three at any
+    ``max_fraction``)."""
 
     name = "schedule"
 
@@ -291,14 +296,12 @@ class SchedulePolicy(FreezePolicy):
         if not due:
             return None
         at, count = due[-1]
-        return self._capped_prefix(count), {"at": at, "scheduled": count, "cap": self.max_frozen}
+        return frozenset(range(count)), {"at": at, "scheduled": count}
 
     def outcome(self) -> str:
         """A schedule has no decision windows: say what it froze, or when its first entry was due."""
         if self.frozen:
             return f"{len(self.frozen)} of {self.num_layers} layers frozen by freeze.schedule"
-        if self.max_frozen == 0:
-            return super().outcome()
         due = [at for at, count in self.schedule if count > 0]
         if not due:
             return "nothing froze: freeze.schedule freezes no layer"
