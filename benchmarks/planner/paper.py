@@ -45,7 +45,8 @@ INDEX_LINE = "- Paper settings: `.venv/bin/python benchmarks/planner/paper.py` (
 ALPHA = 1 / 3
 """The geometric freeze pace the comparison uses for every setting."""
 MAX_FREEZE_FRACTION = 0.84
-"""This project's ``freeze.max_fraction`` default: at most 10 of 12 (20 of 24) layers ever freeze."""
+"""At most 10 of 12 (20 of 24) layers ever freeze: the paper's aggressive geometric freezing, as this project's first
+``freeze.max_fraction`` default had it (the package default is lower since; the comparison keeps the paper's)."""
 BASELINE_STAGES = 8
 """The paper's Pipe + DDP baseline: one 8-stage pipeline per node, the two nodes as data-parallel replicas."""
 AUTHORS_CHUNKS = {8: 6, 4: 16, 2: 8, 1: 4}

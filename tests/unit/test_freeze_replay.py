@@ -22,7 +22,8 @@ def norms(step: int) -> list[float]:
 
 def write_run(run_dir: Path, steps: int, *, every: int = 1, freeze_at: int | None = None) -> Path:
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("freeze: {policy: gradient, interval: 2, interval_unit: steps, alpha: 1.0}\n")
+    (run_dir / "config.yaml").write_text("freeze: {policy: gradient, interval: 2, interval_unit: steps, alpha: 1.0, "
+                                          "max_fraction: 0.5}\n")
     with (run_dir / "metrics.jsonl").open("w") as out:
         for step in range(1, steps + 1):
             if step % every == 0:
