@@ -98,7 +98,8 @@ CONFIGS: dict[str, Member] = {
                             f"freeze.schedule=[[0,{layers}]]")) for name, layers in FIXED_FREEZES.items()},
     "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}")),
-    # candidate defaults, run only when named in --configs (own results file, paired through --pool)
+    # candidate defaults, run only when named in --configs (own results file, paired through --pool); all_third was
+    # adopted as the package default on 2026-11-25, so it equals all since, and stays for its recorded files
     "all_third": Member("all", (NO_BUDGET, f"freeze.max_fraction={THIRD}")),
 }
 CANDIDATES = ("all_third",)
