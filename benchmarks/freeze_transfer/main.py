@@ -65,7 +65,7 @@ PLAIN_BASELINES = ("ddp", "single")
 FIXED_FREEZES = {"fixed2": 2, "fixed3": 3}
 GEOMETRIC_ALPHA = 1 / 3
 GEOMETRIC_MAX_FRACTION = 0.84
-"""The geometric baseline freezes up to 5 of 6 layers, as in the first full run (the default bound is 0.5 since)."""
+"""The geometric baseline freezes up to 5 of 6 layers, as in the first full run (the package's bound is lower since)."""
 THIRD = 1 / 3
 """``all_third``: at most a third of the layers freezes (two of MiniLM's and the ViT's six)."""
 NO_BUDGET = "pipe.device_memory_gb=null"
