@@ -27,8 +27,9 @@ LOOPBACK = "127.0.0.1"
 OVERRIDES = [
     # a number is harder to learn than a class: 1,200 training images, 12 epochs (~900 steps, ~20 s)
     "data.max_train_samples=1200", "train.epochs=12", "train.eval_every_steps=100",
-    # AutoFreeze: a geometric third of the active layers every 200 steps
+    # AutoFreeze: a geometric third of the active layers every 200 steps, up to half (the default cap is a third)
     "freeze.enabled=true", "freeze.policy=geometric", "freeze.interval=200", "freeze.interval_unit=steps",
+    "freeze.max_fraction=0.5",
     # AutoPipe + AutoDP: a memory budget that starts as a 2-stage pipeline and compresses once 2 layers froze
     "pipe.enabled=true", "dp.enabled=true", "pipe.device_memory_gb=0.008",
     "cache.enabled=true",  # AutoCache
