@@ -170,6 +170,14 @@ def _cap_bound(summary: dict[str, Any]) -> int:
     return int(summary.get("freeze_cap_binds") or 0)
 
 
+def _held_by_max_fraction(summary: dict[str, Any]) -> tuple[int, int] | None:
+    """(layers the convergence test found converged, ``max_fraction``'s cap) when the cap froze fewer: the gate
+    reads only the geometric cap, but how many layers freeze is then set by ``max_fraction``, not measured."""
+    found = [(d["candidate"], d["cap"]) for d in summary.get("freeze_decisions", []) if "candidate" in d and "cap" in d]
+    most = max(found, default=None)
+    return most if most is not None and most[0] > most[1] else None
+
+
 def _freezes(summary: dict[str, Any]) -> str:
     """``frozen@step`` for every freeze, with the share of the run it came at."""
     steps = summary.get("steps") or 0
@@ -225,6 +233,8 @@ def _aggregate(results: list[RunResult], configs: list[str]) -> dict[str, dict[s
             if runs else None,
             "freezes": {s: _freezes(r.summary) for s, r in sorted(runs.items())},
             "cap_binds": {s: _cap_bound(r.summary) for s, r in sorted(runs.items()) if _cap_bound(r.summary)},
+            "max_fraction_holds": {s: held for s, r in sorted(runs.items())
+                                   if (held := _held_by_max_fraction(r.summary))},
         }
     return table
 
@@ -265,6 +275,10 @@ def _gates(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
              for seed, count in table[name]["cap_binds"].items()}
     lines.append(f"- decided by convergence: the geometric cap held converged layers back in "
                  f"{'no window' if not bound else f'windows of {bound}'}")
+    held = row["max_fraction_holds"]
+    found = "; ".join(f"seed {seed}: {count} found, {cap} frozen" for seed, (count, cap) in held.items())
+    lines.append(f"- how many: `freeze.max_fraction` held back layers the test found converged in {len(held)} of "
+                 f"{row['runs']} `all` runs{f' ({found})' if held else ''}")
     target = SPEEDUP_TARGETS.get(task)
     speed = row["speedup_vs_fastest_plain"]
     if speed is not None:
