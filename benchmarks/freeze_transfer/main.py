@@ -562,6 +562,16 @@ def _record_per_sample(path: Path, runs_dir: Path, configs: Sequence[str]) -> in
     return 0
 
 
+def _dropped_runs(path: Path, planned: set[tuple[str, str, int]]) -> list[str]:
+    """Runs a recorded results file holds that a launch writing the same file would not redo: a launch may replace
+    its own earlier record, never another launch's runs."""
+    if not path.is_file():
+        return []
+    recorded = json.loads(path.read_text())
+    return sorted(f"{task} {run['name']} seed {run['repeat']}" for task, entry in recorded["tasks"].items()
+                  for run in entry["runs"] if (task, run["name"], run["repeat"]) not in planned)
+
+
 def _stem(mode: str, first_seed: int = 0, tasks: Sequence[str] = TRANSFER_TASKS, configs: Sequence[str] = ()) -> str:
     """``results[-quick]`` for every task from seed 0; a subset of the tasks or seeds added to a finished run
     (``--first-seed``), or a launch with candidate defaults, get their own files, so a partial launch never
@@ -616,10 +626,19 @@ def main(argv: list[str] | None = None) -> int:
                      f"({', '.join(CANDIDATES)}) to pair through --pool with a recorded launch")
     if args.first_seed < 0:
         parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
-    machine = machine_info()
-    print(json.dumps(machine), flush=True)
     tasks = transfer_tasks()
     mode = "quick" if args.quick else "full"
+    seed_counts = {name: args.seeds or (1 if args.quick else tasks[name].seeds) for name in args.tasks}
+    stem = _stem(mode, args.first_seed, args.tasks, args.configs)
+    planned = {(name, config, seed) for name in args.tasks for config in args.configs
+               for seed in range(args.first_seed, args.first_seed + seed_counts[name])}
+    dropped = _dropped_runs(HERE / f"{stem}.json", planned)
+    if dropped:
+        parser.error(f"{stem}.json holds runs this launch would not redo ({', '.join(dropped[:3])}"
+                     f"{', ...' if len(dropped) > 3 else ''}): move it aside first, or launch its --tasks, --configs "
+                     "and seeds")
+    machine = machine_info()
+    print(json.dumps(machine), flush=True)
     payload: dict[str, Any] = {"machine": machine, "mode": mode, "tasks": {},
                                "arguments": " ".join(sys.argv[1:] if argv is None else argv)}
     for name in args.tasks:
@@ -627,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         runs_dir = args.runs_dir / mode / name
         runs_dir.mkdir(parents=True, exist_ok=True)
         backbone = ensure_backbone(TASKS[task.backbone_task], runs_dir) if task.backbone_task else None
-        seeds = args.seeds or (1 if args.quick else task.seeds)
+        seeds = seed_counts[name]
         shared = task.quick_data if args.quick else task.data
         results = []
         for seed, config in _order(args.configs, seeds, args.first_seed):
@@ -641,7 +660,6 @@ def main(argv: list[str] | None = None) -> int:
         payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone,
                                   "table": _aggregate(results, args.configs), "runs": results}
     markdown = _report(payload, args.resume)
-    stem = _stem(mode, args.first_seed, args.tasks, args.configs)
     write_results(HERE, stem, markdown, payload)
     _write_per_sample(HERE / f"{stem}.json", payload)
     if stem == _stem(mode):
