@@ -630,8 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     seed_counts = {name: args.seeds or (1 if args.quick else tasks[name].seeds) for name in args.tasks}
     stem = _stem(mode, args.first_seed, args.tasks, args.configs)
-    planned = {(name, config, seed) for name in args.tasks for config in args.configs
-               for seed in range(args.first_seed, args.first_seed + seed_counts[name])}
+    planned = {(name, config, seed) for name in args.tasks
+               for seed, config in _order(args.configs, seed_counts[name], args.first_seed)}
     dropped = _dropped_runs(HERE / f"{stem}.json", planned)
     if dropped:
         parser.error(f"{stem}.json holds runs this launch would not redo ({', '.join(dropped[:3])}"
