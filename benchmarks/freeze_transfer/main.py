@@ -52,7 +52,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     write_results,
 )
 
-__all__ = ["CONFIGS", "TRANSFER_TASKS", "main"]
+__all__ = ["CONFIGS", "TRANSFER_TASKS", "main", "rescored"]
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_transfer"
@@ -487,14 +487,20 @@ def _test_set_error(task: str, table: dict[str, dict[str, Any]], samples: dict[s
                             "both", "mean - 1 SE (both)"], rows), ""] if rows else []
 
 
-def _rescore(path: Path) -> int:
-    """Recompute the tables and gates of a recorded ``results*.json`` from its runs and rewrite its ``.md``."""
+def rescored(path: Path) -> tuple[str, dict[str, Any]]:
+    """A recorded ``results*.json``'s markdown and payload with its tables and gates recomputed from its runs, as
+    the code scores them today (nothing is written; a test checks every recorded file against its own)."""
     payload = json.loads(path.read_text())
     for entry in payload["tasks"].values():
         results = [RunResult(**run) for run in entry["runs"]]
         entry["table"] = _aggregate(results, [name for name in CONFIGS if name in entry["table"]])
     resumed = "--resume" in path.with_suffix(".md").read_text() if path.with_suffix(".md").is_file() else False
-    markdown = _report(payload, resumed)
+    return _report(payload, resumed), payload
+
+
+def _rescore(path: Path) -> int:
+    """Recompute the tables and gates of a recorded ``results*.json`` from its runs and rewrite it and its ``.md``."""
+    markdown, payload = rescored(path)
     write_results(path.parent, path.stem, markdown, payload)
     if path.resolve().parent == HERE and path.stem == _stem(payload["mode"]):  # the newest full set: README too
         _publish(payload["mode"], markdown)
