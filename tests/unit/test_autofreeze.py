@@ -63,7 +63,14 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
     with caplog.at_level(logging.WARNING):
         freezer = AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=True)
     assert freezer.previous_grads is not None, "coherence reads g_t . g_(t-1)"
-    assert any("nothing will freeze" in r.getMessage() for r in caplog.records)
+    assert any("nothing will freeze" in r.getMessage() and "shorten freeze.interval" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    floored = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.interval_unit=fraction"])
+    with caplog.at_level(logging.WARNING):  # 5% of 20 steps is 1, raised to the 10-step floor: 3 windows need 30
+        AutoFreeze.from_config(floored, tiny_model(), planned_steps=20, steps_per_epoch=20, warn=True)
+    assert any("nothing will freeze" in r.getMessage() and "freeze.min_window_steps" in r.getMessage()
+               for r in caplog.records), "a fraction window is held at its floor: that is the setting to change"
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
     assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,
                                   warn=False).previous_grads is None

@@ -25,6 +25,7 @@ __all__ = ["AutoFreeze"]
 logger = logging.getLogger(__name__)
 
 EPOCHS = "epochs"
+FRACTION = "fraction"
 COHERENCE = "coherence"
 
 
@@ -52,8 +53,10 @@ class AutoFreeze:
             needed = window * WINDOWS_BEFORE_A_FREEZE.get(f.policy, 1)
             steps = min(planned_steps, config.train.max_steps or planned_steps)
             if needed > steps:
+                remedy = ("lower freeze.min_window_steps (the floor of a fraction window)" if f.interval_unit == FRACTION
+                          else "shorten freeze.interval (or use interval_unit: fraction)")
                 logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will "
-                               "freeze; shorten freeze.interval (or use interval_unit: fraction)", needed, steps)
+                               "freeze; %s", needed, steps, remedy)
         return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1)
 
     @property
