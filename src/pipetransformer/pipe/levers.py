@@ -26,6 +26,7 @@ from pipetransformer.pipe.partition import (
     GIB,
     Partition,
     PartitionError,
+    micro_batch_candidates,
     partition,
     predict_step_time,
 )
@@ -170,8 +171,7 @@ def _micro_batch_candidates(stages: int, batch: int, settings: LeverSettings) ->
         return [fixed]
     if stages == 1:
         return [1]
-    divisors = [m for m in range(1, min(batch, settings.max_micro_batch_factor * stages) + 1) if batch % m == 0]
-    return [m for m in divisors if m >= stages] or divisors
+    return micro_batch_candidates(stages, batch, settings.max_micro_batch_factor)
 
 
 def _held(stages: int, batch: int, micro_batches: int, settings: LeverSettings) -> tuple[int, int]:

@@ -30,7 +30,9 @@ __all__ = [
     "PartitionError",
     "bubble_fraction",
     "choose_micro_batches",
+    "choose_partition_and_micro_batches",
     "compress",
+    "micro_batch_candidates",
     "partition",
     "predict_step_time",
 ]
@@ -273,6 +275,30 @@ def predict_step_time(
     return sum(stage_s) + (num_micro_batches - 1) * max(stage_s)
 
 
+def micro_batch_candidates(num_stages: int, batch_size: int,
+                           max_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR) -> list[int]:
+    """The micro-batch counts worth weighing, in increasing order.
+
+    Only divisors of ``batch_size``, because a pipeline stage sizes its receive buffers from the first
+    micro-batch. Candidates lie in ``K .. max_factor * K``; if no divisor does, any divisor up to
+    ``max_factor * K`` (so at least M = 1).
+    """
+    if batch_size < 1 or max_factor < 1:
+        raise ValueError(f"batch_size and max_factor must be >= 1, got {batch_size} and {max_factor}")
+    divisors = [m for m in range(1, min(batch_size, max_factor * num_stages) + 1) if batch_size % m == 0]
+    return [m for m in divisors if m >= num_stages] or divisors
+
+
+def _micro_batch_plan(partition: Partition, batch_size: int, micro_batches: int,
+                      per_microbatch_overhead_s: float) -> MicroBatchPlan:
+    return MicroBatchPlan(
+        num_micro_batches=micro_batches,
+        micro_batch_size=batch_size // micro_batches,
+        predicted_step_s=predict_step_time(partition, batch_size, micro_batches, per_microbatch_overhead_s),
+        bubble_fraction=bubble_fraction(partition.num_stages, micro_batches),
+    )
+
+
 def choose_micro_batches(
     partition: Partition,
     batch_size: int,
@@ -280,22 +306,51 @@ def choose_micro_batches(
     per_microbatch_overhead_s: float,
     max_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR,
 ) -> MicroBatchPlan:
-    """The micro-batch count M with the lowest predicted step time.
-
-    Only divisors of ``batch_size`` are considered, because a pipeline stage sizes its receive
-    buffers from the first micro-batch. Candidates lie in ``K .. max_factor * K``; if no divisor
-    does, any divisor up to ``max_factor * K`` (so at least M = 1). Ties go to the smaller M.
-    Memory was checked when partitioning: partition with the largest micro-batch you may use.
+    """The micro-batch count M (of :func:`micro_batch_candidates`) with the lowest predicted step time for a
+    given partition; ties go to the smaller M. Memory was checked when partitioning: right for GPipe, whose
+    stages hold every micro-batch until backward (the whole batch, whatever M is); for 1F1B see
+    :func:`choose_partition_and_micro_batches`.
     """
-    if batch_size < 1 or max_factor < 1:
-        raise ValueError(f"batch_size and max_factor must be >= 1, got {batch_size} and {max_factor}")
-    num_stages = partition.num_stages
-    divisors = [m for m in range(1, min(batch_size, max_factor * num_stages) + 1) if batch_size % m == 0]
-    candidates = [m for m in divisors if m >= num_stages] or divisors
+    candidates = micro_batch_candidates(partition.num_stages, batch_size, max_factor)
     best = min(candidates, key=lambda m: (predict_step_time(partition, batch_size, m, per_microbatch_overhead_s), m))
-    return MicroBatchPlan(
-        num_micro_batches=best,
-        micro_batch_size=batch_size // best,
-        predicted_step_s=predict_step_time(partition, batch_size, best, per_microbatch_overhead_s),
-        bubble_fraction=bubble_fraction(num_stages, best),
-    )
+    return _micro_batch_plan(partition, batch_size, best, per_microbatch_overhead_s)
+
+
+def choose_partition_and_micro_batches(
+    costs: Sequence[BlockCost],
+    states: Sequence[BlockState],
+    num_stages: int,
+    batch_size: int,
+    *,
+    memory_budget_bytes: float,
+    link: Link,
+    per_microbatch_overhead_s: float,
+    optimizer_state_factor: int = ADAMW_STATE_FACTOR,
+    max_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR,
+) -> tuple[Partition, MicroBatchPlan]:
+    """1F1B: the partition and micro-batch count M with the lowest predicted step time, chosen together.
+
+    Stage 0 holds K micro-batches of ``batch_size / M`` samples before its first backward, so the memory a
+    split must fit shrinks as M grows, and a better-balanced split may fit only at a larger M; M also sets
+    the bubble and the per-micro-batch overhead. Every candidate M (at least K, which torch's 1F1B needs) is
+    partitioned against the budget on its own, and the fastest fit wins (ties go to the smaller M). Raises
+    the largest M's :class:`PartitionError` (the one needing the least memory) when none fits.
+    """
+    options: list[tuple[float, int, Partition]] = []
+    error: PartitionError | None = None
+    for micro_batches in sorted({max(m, num_stages) for m in micro_batch_candidates(num_stages, batch_size,
+                                                                                     max_factor)}):
+        try:
+            part = partition(costs, states, num_stages, micro_batch_size=-(-batch_size // micro_batches),
+                             memory_budget_bytes=memory_budget_bytes, link=link,
+                             optimizer_state_factor=optimizer_state_factor, in_flight_micro_batches=num_stages)
+        except PartitionError as failed:
+            error = failed
+            continue
+        options.append((predict_step_time(part, batch_size, micro_batches, per_microbatch_overhead_s),
+                        micro_batches, part))
+    if not options:
+        assert error is not None
+        raise error
+    _, micro_batches, part = min(options, key=lambda option: option[:2])
+    return part, _micro_batch_plan(part, batch_size, micro_batches, per_microbatch_overhead_s)

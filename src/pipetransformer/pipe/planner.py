@@ -16,7 +16,9 @@ from pipetransformer.pipe.cluster import local_cluster
 from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
 from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
 from pipetransformer.pipe.levers import LeverSettings, NoLayoutError, choose_levers
-from pipetransformer.pipe.partition import Partition, PartitionError, choose_micro_batches, compress, partition
+from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
+                                            choose_partition_and_micro_batches, compress, micro_batch_candidates,
+                                            partition)
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
 
@@ -106,15 +108,19 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     def held_activations(stages: int) -> tuple[int, int]:
         """(micro-batch size, micro-batches in flight) a stage holds activations for before their backward.
 
-        The replica's whole batch without a pipeline, with GPipe, and while the micro-batch count is still
-        to be chosen ("auto"); with 1F1B and a fixed count M, stage 0 holds min(stages, M) micro-batches,
-        which is what lets a pipeline fit where data parallelism's whole batches do not.
+        The replica's whole batch without a pipeline and with GPipe; with 1F1B, stage 0 holds
+        min(stages, M) micro-batches, which is what lets a pipeline fit where data parallelism's whole
+        batches do not. An "auto" count is taken at its largest candidate here, the one needing the least
+        memory, so a stage count fits when any count does; the count itself is chosen below.
         """
         batch = replica_batch(stages)
-        if stages == 1 or pipe.schedule != ONE_F_ONE_B or pipe.micro_batches == "auto":
+        if stages == 1 or pipe.schedule != ONE_F_ONE_B:
             return batch, 1
-        micro_batches = max(int(pipe.micro_batches), stages)
-        return -(-batch // micro_batches), stages
+        if pipe.micro_batches == "auto":
+            micro_batches = max(micro_batch_candidates(stages, batch))
+        else:
+            micro_batches = int(pipe.micro_batches)
+        return -(-batch // max(micro_batches, stages)), stages
 
     def attempt(stages: int) -> Partition:
         size, in_flight = held_activations(stages)
@@ -142,7 +148,12 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     width = width_for(stages)
     micro = 1
     if stages > 1:
-        if pipe.micro_batches == "auto":
+        if pipe.micro_batches == "auto" and pipe.schedule == ONE_F_ONE_B:
+            part, chosen = choose_partition_and_micro_batches(
+                costs, states, stages, replica_batch(stages), memory_budget_bytes=budget, link=link,
+                per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
+            micro = chosen.num_micro_batches
+        elif pipe.micro_batches == "auto":
             micro = choose_micro_batches(part, replica_batch(stages),
                                          per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S).num_micro_batches
         else:
