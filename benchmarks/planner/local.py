@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
+    NPROC,
     REPO_ROOT,
     machine_info,
     markdown_table,
@@ -236,9 +237,8 @@ def run(runs_dir: Path) -> dict[str, Any]:
     path = runs_dir / "local.json"
     payload = json.loads(path.read_text()) if path.is_file() else {}
     if "costs" not in payload:
-        torch.set_num_threads(1)  # as one of 2 workers on 2 cores
         config = _config(LAUNCHES[0])
-        costs, _, names = profiled_costs(config)
+        costs, _, names = profiled_costs(config, NPROC)  # with the threads each of the workers gets
         payload = {"machine": machine_info(), "costs": [c.__dict__ for c in costs], "block_names": names,
                    "optimizer_bytes_per_s": _optimizer_bytes_per_s(config), "launches": {}}
     costs = [BlockCost(**c) for c in payload["costs"]]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from pipetransformer.config import DistConfig
 
 __all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
-           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together"]
+           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ def _resolve_device(config: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def worker_threads(config: DistConfig, local_world_size: int) -> int:
+    """Torch threads of one worker: ``dist.threads_per_worker``, else this machine's cores shared by its workers."""
+    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world_size)
+
+
 def init_distributed(config: DistConfig) -> DistEnv:
     """Join the torchrun job if there is one (RANK/WORLD_SIZE set), else run as a single process.
 
@@ -60,8 +65,7 @@ def init_distributed(config: DistConfig) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = _resolve_device(config, local_rank)
-    threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world_size)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(worker_threads(config, local_world_size))
     if device.type == "cuda":
         backend = "cpu:gloo,cuda:nccl" if config.backend in ("auto", "nccl") else "gloo"
     else:

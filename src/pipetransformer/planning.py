@@ -58,12 +58,22 @@ def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
     return model, inputs, train.num_classes
 
 
-def profiled_costs(config: Config) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
-    """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model."""
+def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
+    """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model,
+    measured with the threads one of ``local_workers`` workers on this machine gets: a block on 2 threads runs
+    faster per sample than on the 1 a worker of two has, and the plan would be for a machine the run is not."""
+    import torch
+
+    from pipetransformer.distributed import worker_threads
     from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
     model, inputs, num_classes = _model_and_batch(config)
-    costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(worker_threads(config.dist, local_workers))
+    try:
+        costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
+    finally:
+        torch.set_num_threads(threads)
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
 
 
@@ -91,7 +101,7 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
 
 
 def plan_command(config: Config, world_size: int, as_json: bool) -> int:
-    costs, _, names = profiled_costs(config)
+    costs, _, names = profiled_costs(config, world_size)
     report = plan_report(config, world_size, costs, names)
     if as_json:
         print(json.dumps(report, indent=2))
@@ -192,7 +202,7 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
     spec = load_model_spec(request.model, seq_len=request.seq_len) if request.model is not None else None
     costs: dict[Precision, list[BlockCost] | None]
     if request.cluster == LOCAL:
-        measured, work, _ = profiled_costs(config)
+        measured, work, _ = profiled_costs(config, world_size)
         cluster = local_cluster(world_size, memory_gb=config.pipe.device_memory_gb,
                                 link_bandwidth_gb_s=config.pipe.link_bandwidth_gbps,
                                 flops_per_second=calibrated_flops(work, measured),

@@ -26,6 +26,7 @@ from pipetransformer.pipe.partition import (
     PartitionError,
     bubble_fraction,
     choose_micro_batches,
+    choose_partition_and_micro_batches,
     compress,
     partition,
     predict_step_time,
@@ -321,6 +322,21 @@ def test_more_stages_more_micro_batches() -> None:
         assert choice.predicted_step_s == min(predict_step_time(plan, 64, m, 1e-3) for m in candidates)
         chosen.append(choice.num_micro_batches)
     assert chosen[0] == 1 and chosen[0] < chosen[1] < chosen[2]
+
+
+def test_1f1b_partition_and_micro_batches_are_chosen_together() -> None:
+    """Two 1F1B stages of 2 blocks hold 2 micro-batches of 16 / M samples: 800 bytes of training state + 28 per
+    sample of a micro-batch, so the budget (912) fits them from M = 4 on (an uneven split never). Per stage and
+    micro-batch: 6 s a sample + 5 s overhead, so a step takes 145 s at M = 4, 153 at 8, 187 at 16."""
+    costs = uniform(4)
+    budget = 2 * 100 * 4 + 2 * 7 * 4 * 2  # 2 blocks' weights, gradients and 2 moments; their activations at M = 4
+    part, choice = choose_partition_and_micro_batches(costs, [A] * 4, 2, 16, memory_budget_bytes=budget,
+                                                      link=FREE_LINK, per_microbatch_overhead_s=5.0)
+    assert (choice.num_micro_batches, part.bounds) == (4, [(0, 2), (2, 4)])
+    assert choice.predicted_step_s == predict_step_time(part, 16, 4, 5.0) == pytest.approx(145.0)
+    with pytest.raises(PartitionError, match="fits"):
+        choose_partition_and_micro_batches(costs, [A] * 4, 2, 16, memory_budget_bytes=2 * 100 * 4,
+                                           link=FREE_LINK, per_microbatch_overhead_s=5.0)
 
 
 def test_micro_batches_divide_awkward_batches() -> None:

@@ -1,0 +1,30 @@
+"""`pipetransformer plan` profiles blocks as a worker of the run would: with the threads each local worker gets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from pipetransformer.config import DistConfig, load_config
+from pipetransformer.distributed import worker_threads
+from pipetransformer.planning import profiled_costs
+
+TINY_VIT = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
+
+
+def test_a_worker_gets_its_share_of_the_cores_unless_told() -> None:
+    cores = os.cpu_count() or 1
+    assert worker_threads(DistConfig(), 1) == cores
+    assert worker_threads(DistConfig(), cores) == 1
+    assert worker_threads(DistConfig(), 4 * cores) == 1, "never fewer than one thread"
+    assert worker_threads(DistConfig(threads_per_worker=3), 2) == 3
+
+
+def test_profiling_for_a_plan_leaves_the_callers_threads_alone() -> None:
+    config = load_config(TINY_VIT, ["pipe.profile=true"])
+    before = torch.get_num_threads()
+    costs, work, names = profiled_costs(config, local_workers=2)
+    assert torch.get_num_threads() == before
+    assert len(costs) == len(work) == len(names) and all(c.forward_s > 0 for c in costs)
