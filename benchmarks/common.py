@@ -35,6 +35,8 @@ __all__ = [
     "BackboneSpec",
     "TaskSpec",
     "TASKS",
+    "SETTLED_AFTER_STEPS",
+    "settled_step_s",
     "DISTURBED_LOAD",
     "RunResult",
     "LoadSampler",
@@ -271,6 +273,16 @@ def machine_info() -> dict[str, Any]:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+SETTLED_AFTER_STEPS = 5
+"""Steps left out of a settled step time: the first carry start-up costs (first shapes, allocator growth)."""
+
+
+def settled_step_s(run_dir: Path, settle_steps: int = SETTLED_AFTER_STEPS) -> float:
+    """A run's median step time after its first ``settle_steps`` (needs ``run.log_every=1``)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_s"] for r in records if r.get("event") == "step" and r["step"] > settle_steps)
 
 
 def median(values: Sequence[float]) -> float | None:

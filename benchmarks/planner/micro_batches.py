@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
     REPO_ROOT,
+    SETTLED_AFTER_STEPS,
     TASKS,
     ensure_backbone,
     interleaved_order,
@@ -29,8 +30,8 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     markdown_table,
     replace_section,
     run_training,
+    settled_step_s,
 )
-from recompute import SETTLE_STEPS, settled_step_s  # noqa: E402 - a sibling script
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
@@ -101,7 +102,7 @@ def main() -> None:
         f"`.venv/bin/python benchmarks/planner/micro_batches.py`, started {machine['started']} on {machine['nproc']} "
         f"cores, torch {machine['torch']}: both shipped static pipelines (2 stages x 1, 1F1B, no freezing) at every "
         f"fixed count and at `auto`, {REPEATS} interleaved repeats; step time is the median after step "
-        f"{SETTLE_STEPS}. `M per repeat` is the count the run used (`auto`'s choice).",
+        f"{SETTLED_AFTER_STEPS}. `M per repeat` is the count the run used (`auto`'s choice).",
         "",
         *[line for task, runs in results.items() for line in _section(task, runs)],
     ])

@@ -20,11 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
     REPO_ROOT,
+    SETTLED_AFTER_STEPS,
     interleaved_order,
     machine_info,
     markdown_table,
     replace_section,
     run_training,
+    settled_step_s,
 )
 
 README = Path(__file__).resolve().parent / "README.md"
@@ -35,19 +37,12 @@ RESULTS = Path(__file__).resolve().parent / "recompute-results.json"
 CONFIG = CONFIG_DIR / "text_minilm_no_freeze.yaml"
 REPEATS = 3
 STEPS = 60
-SETTLE_STEPS = 5  # the first steps carry start-up costs (first shapes, allocator growth)
 COMMON = (f"train.max_steps={STEPS}", "data.max_train_samples=2000", "train.eval_every_steps=100000",
           "run.log_every=1")
 MEMBERS = {
     "pipeline": (),
     "recompute": ("pipe.recompute=true", "dp.enabled=true"),
 }
-
-
-def settled_step_s(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step_s"] for r in records if r.get("event") == "step" and r["step"] > SETTLE_STEPS]
-    return statistics.median(steps)
 
 
 def main() -> None:
@@ -74,7 +69,7 @@ def main() -> None:
         "",
         f"`.venv/bin/python benchmarks/planner/recompute.py`, started {machine['started']} on {machine['nproc']} "
         f"cores: `{CONFIG.name}` (MiniLM, budget 0.5 GB a worker, no freezing), {STEPS} steps of 32, "
-        f"{REPEATS} interleaved repeats; step time is the median after step {SETTLE_STEPS}.",
+        f"{REPEATS} interleaved repeats; step time is the median after step {SETTLED_AFTER_STEPS}.",
         "",
         markdown_table(["run", "layout", "M", "recomputed blocks", "step ms per repeat", "median ms",
                         "peak RSS MiB", "load per repeat"], rows),
