@@ -71,6 +71,12 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
         AutoFreeze.from_config(floored, tiny_model(), planned_steps=20, steps_per_epoch=20, warn=True)
     assert any("nothing will freeze" in r.getMessage() and "freeze.min_window_steps" in r.getMessage()
                for r in caplog.records), "a fraction window is held at its floor: that is the setting to change"
+    caplog.clear()
+    wide = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.interval_unit=fraction", "freeze.interval=0.5"])
+    with caplog.at_level(logging.WARNING):  # half of 200 steps a window: 3 windows need 300
+        AutoFreeze.from_config(wide, tiny_model(), planned_steps=200, steps_per_epoch=200, warn=True)
+    assert any("nothing will freeze" in r.getMessage() and r.getMessage().endswith("shorten freeze.interval")
+               for r in caplog.records)
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
     assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,
                                   warn=False).previous_grads is None

@@ -53,8 +53,12 @@ class AutoFreeze:
             needed = window * WINDOWS_BEFORE_A_FREEZE.get(f.policy, 1)
             steps = min(planned_steps, config.train.max_steps or planned_steps)
             if needed > steps:
-                remedy = ("lower freeze.min_window_steps (the floor of a fraction window)" if f.interval_unit == FRACTION
-                          else "shorten freeze.interval (or use interval_unit: fraction)")
+                if f.interval_unit == FRACTION and window == f.min_window_steps:  # the floor, not the fraction
+                    remedy = "lower freeze.min_window_steps (the floor of a fraction window)"
+                elif f.interval_unit == FRACTION:
+                    remedy = "shorten freeze.interval"
+                else:
+                    remedy = "shorten freeze.interval (or use interval_unit: fraction)"
                 logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will "
                                "freeze; %s", needed, steps, remedy)
         return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1)
