@@ -35,6 +35,7 @@ EXIT_WORKER_FAILED = 1
 LOOPBACK = "127.0.0.1"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 """Set for local workers: each writes its one-line user error here, so the launcher can repeat it last."""
 HF_CONFIG_FILE = "config.json"
 
@@ -190,6 +191,10 @@ def _train(args: argparse.Namespace) -> int:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
     if args.nproc_per_node > 1 and not _under_torchrun():
+        from pipetransformer.distributed import worker_threads
+
+        # What each worker sets its torch threads to anyway; set here, torchrun does not print its banner about it.
+        os.environ.setdefault(OMP_THREADS_ENV, str(worker_threads(config.dist, args.nproc_per_node)))
         return _launch_local(args, overrides)
     from pipetransformer.train import train
     config = load_config(args.config, overrides)
