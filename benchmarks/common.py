@@ -279,10 +279,11 @@ SETTLED_AFTER_STEPS = 5
 """Steps left out of a settled step time: the first carry start-up costs (first shapes, allocator growth)."""
 
 
-def settled_step_s(run_dir: Path, settle_steps: int = SETTLED_AFTER_STEPS) -> float:
-    """A run's median step time after its first ``settle_steps`` (needs ``run.log_every=1``)."""
+def settled_step_s(run_dir: Path) -> float:
+    """A run's median step time after its first ``SETTLED_AFTER_STEPS`` (needs ``run.log_every=1``)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_s"] for r in records if r.get("event") == "step" and r["step"] > settle_steps)
+    return statistics.median(r["step_s"] for r in records
+                             if r.get("event") == "step" and r["step"] > SETTLED_AFTER_STEPS)
 
 
 def median(values: Sequence[float]) -> float | None:

@@ -40,6 +40,8 @@ INDEX_LINE = ("- The micro-batch count, measured: `.venv/bin/python benchmarks/p
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_micro_batches"
 RESULTS = HERE / "micro-batches-results.json"
 REPEATS = 3
+NO_FIT = "is too small for"
+"""What the planner's error says when no split fits the memory budget (a run that failed otherwise is not that)."""
 MEMBERS = ("2", "4", "8", "16", "auto")
 PIPELINES = {
     "text": (CONFIG_DIR / "text_minilm_no_freeze.yaml", 30, ("data.max_train_samples=2000",)),
@@ -78,8 +80,9 @@ def _section(task: str, runs: list[dict[str, Any]]) -> list[str]:
         mine = sorted((r for r in runs if r["member"] == member), key=lambda r: r["repeat"])
         done = [r for r in mine if r["ok"]]
         if not done:
-            rows.append([member, "does not fit the budget", "-", "-", "-", "-",
-                         " / ".join(f"{r['load_mean']:.1f}" for r in mine)])
+            fits = not any(NO_FIT in (r.get("error") or "") for r in mine)
+            rows.append([member, "failed (see the run logs)" if fits else "does not fit the budget", "-", "-", "-",
+                         "-", " / ".join(f"{r['load_mean']:.1f}" for r in mine)])
             continue
         splits = sorted({json.dumps(r["bounds"]) for r in done})
         rows.append([member, "; ".join(splits), " / ".join(str(r["micro_batches"]) for r in done),

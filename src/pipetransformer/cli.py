@@ -35,8 +35,9 @@ EXIT_WORKER_FAILED = 1
 LOOPBACK = "127.0.0.1"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
-OMP_THREADS_ENV = "OMP_NUM_THREADS"
 """Set for local workers: each writes its one-line user error here, so the launcher can repeat it last."""
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+"""Set for local workers to the threads each uses anyway; torchrun prints a banner when it sets this itself."""
 HF_CONFIG_FILE = "config.json"
 
 
@@ -140,8 +141,9 @@ def _worker_error(error_dir: Path) -> str | None:
     return messages[0].read_text().strip() if messages else None
 
 
-def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Start ``--nproc-per-node`` workers through torch.distributed.run on this machine (loopback only)."""
+def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int) -> int:
+    """Start ``--nproc-per-node`` workers of ``threads`` torch threads each through torch.distributed.run on this
+    machine (loopback only)."""
     from torch.distributed.run import get_args_parser, run
 
     launcher_args = get_args_parser().parse_args([
@@ -152,6 +154,7 @@ def _launch_local(args: argparse.Namespace, overrides: list[str]) -> int:
     # Workers restarted by torchrun (and agents joining later) hang in rendezvous when they share the agent's
     # TCP store; a store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) lets them join.
     os.environ.setdefault(SHARED_STORE_ENV, "1")
+    os.environ.setdefault(OMP_THREADS_ENV, str(threads))
     with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
@@ -193,9 +196,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node > 1 and not _under_torchrun():
         from pipetransformer.distributed import worker_threads
 
-        # What each worker sets its torch threads to anyway; set here, torchrun does not print its banner about it.
-        os.environ.setdefault(OMP_THREADS_ENV, str(worker_threads(config.dist, args.nproc_per_node)))
-        return _launch_local(args, overrides)
+        return _launch_local(args, overrides, worker_threads(config.dist, args.nproc_per_node))
     from pipetransformer.train import train
     config = load_config(args.config, overrides)
     summary = train(config)
