@@ -156,9 +156,10 @@ def _median_ms(values: list[float]) -> float:
 
 
 def _profiled_ms(profiles: list[list[list[BlockCost]]], batches: list[Batch], boundary: int) -> float:
-    """Median over rounds and batches of the profiled forward+backward of blocks ``boundary..`` for the batch."""
+    """Median over rounds and batches of the profiled forward+backward of blocks ``boundary..`` for the batch
+    (per sample and per call)."""
     return statistics.median(
-        len(batch) * sum(c.forward_s + c.backward_s for c in costs[boundary:]) * MS_PER_SECOND
+        sum(sum(c.seconds(len(batch))) for c in costs[boundary:]) * MS_PER_SECOND
         for round_costs in profiles
         for costs, batch in zip(round_costs, batches, strict=True)
     )

@@ -53,7 +53,12 @@ from pipetransformer.config import Config, load_config  # noqa: E402
 from pipetransformer.pipe.cluster import Cluster, local_cluster  # noqa: E402
 from pipetransformer.pipe.cost import BlockCost  # noqa: E402
 from pipetransformer.pipe.levers import LeverSettings, simulate_layout  # noqa: E402
-from pipetransformer.pipe.profile import PROFILE_BATCH, PROFILE_REPEATS, PROFILE_WARMUP  # noqa: E402
+from pipetransformer.pipe.profile import (  # noqa: E402
+    PROFILE_BATCH,
+    PROFILE_REPEATS,
+    PROFILE_WARMUP,
+    SMALL_BATCH_DIVISOR,
+)
 from pipetransformer.pipe.partition import PartitionError  # noqa: E402
 from pipetransformer.pipe.planner import plan_layout  # noqa: E402
 from pipetransformer.pipe.simulate import optimizer_step_bytes  # noqa: E402
@@ -274,9 +279,10 @@ def replay_wall_time(costs: list[BlockCost], cluster: Cluster, config: Config, s
                      "previous_cached": previous_cached}
             seconds["steps"] += predicted(costs, cluster, config, point).step_s
             seconds["host"] += host_s
-    # Profiling: warm-up and repeats, each a forward and a backward of every block at the profile batch.
+    # Profiling: warm-up and repeats, each a forward and a backward of every block at both profiled sizes.
     runs = PROFILE_WARMUP + PROFILE_REPEATS
-    seconds["profile"] = runs * PROFILE_BATCH * sum(c.forward_s + c.backward_s for c in costs)
+    seconds["profile"] = runs * sum(sum(c.seconds(size)) for c in costs
+                                    for size in (PROFILE_BATCH, PROFILE_BATCH // SMALL_BATCH_DIVISOR))
     seconds["transitions"] = len(summary["transitions"]) * transition_s
     world = summary["world_size"]
     for evaluation in summary["eval_history"]:

@@ -216,6 +216,8 @@ def test_recomputation_keeps_the_input_and_pays_a_forward() -> None:
     again = recomputed(cost, input_bytes=10)
     assert (again.forward_s, again.backward_s, again.activation_bytes, again.recompute_bytes) == (1.0, 3.0, 10, 70)
     assert recomputed(again, input_bytes=10) == again
+    per_call = recomputed(BlockCost(1.0, 2.0, 10, 100, 70, forward_fixed_s=0.5, backward_fixed_s=0.25), 10)
+    assert (per_call.forward_fixed_s, per_call.backward_fixed_s) == (0.5, 0.75), "the re-run forward's calls too"
     costs = [again, again, cost]
     # params + grads + 2 AdamW moments; 3 micro-batches of 2 held; one recomputed block rebuilt for one micro-batch
     weights = 3 * 100 * 4

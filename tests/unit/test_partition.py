@@ -15,10 +15,12 @@ from pipetransformer.pipe.cost import (
     BlockState,
     Link,
     analytic_costs,
+    block_fixed_seconds,
     block_memory,
     block_seconds_per_sample,
     stage_memory,
     stage_time,
+    stage_timing,
     validate_states,
 )
 from pipetransformer.pipe.partition import (
@@ -84,6 +86,18 @@ def test_stage_time_counts_boundary_messages() -> None:
     states = [C, C, A, A]
     assert stage_time(costs, states, 2, 4, micro_batch_size=2, link=link) == pytest.approx(compute * 2)
     assert stage_memory(costs, states, 0, 4, micro_batch_size=2) == 2 * (100 * 4 + 7 * 2)
+
+
+def test_costs_per_call_count_once_per_micro_batch() -> None:
+    cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0,
+                     forward_fixed_s=5.0, backward_fixed_s=7.0)
+    assert cost.seconds(3) == (8.0, 13.0)
+    assert (block_fixed_seconds(cost, A), block_fixed_seconds(cost, F), block_fixed_seconds(cost, C)) == (12, 5, 0)
+    timing = stage_timing([cost] * 3, [C, F, A], 1, 3, Link(math.inf, latency_s=0.5))
+    # a frozen block's forward and an active one's both passes; no input message (the cache feeds the stage)
+    assert (timing.seconds_per_sample, timing.fixed_s) == (1.0 + 3.0, 5.0 + 12.0 + 0.0)
+    assert stage_time([cost] * 3, [A] * 3, 0, 2, micro_batch_size=4, link=Link(math.inf, latency_s=0.5)) == \
+        pytest.approx(2 * (3.0 * 4 + 12.0) + 2 * 0.5)
 
 
 def test_states_must_grow_from_the_bottom() -> None:
@@ -337,6 +351,19 @@ def test_1f1b_partition_and_micro_batches_are_chosen_together() -> None:
     with pytest.raises(PartitionError, match="fits"):
         choose_partition_and_micro_batches(costs, [A] * 4, 2, 16, memory_budget_bytes=2 * 100 * 4,
                                            link=FREE_LINK, per_microbatch_overhead_s=5.0)
+
+
+def test_costs_per_call_favour_fewer_micro_batches() -> None:
+    """The same blocks at 3 s a sample, with and without 24 s a call: the fixed part moves the choice from the
+    largest candidate to fewer, larger micro-batches."""
+    per_sample = uniform(4, forward_s=1.0, backward_s=2.0)
+    per_call = [BlockCost(1.0, 2.0, 10, 100, 7, forward_fixed_s=8.0, backward_fixed_s=16.0)] * 4
+    choices = []
+    for costs in (per_sample, per_call):
+        part = partition(costs, [A] * 4, 2, micro_batch_size=1, memory_budget_bytes=HUGE_BUDGET, link=FREE_LINK)
+        choices.append(choose_micro_batches(part, 16, per_microbatch_overhead_s=0.0).num_micro_batches)
+    # stages of 2 blocks: M = 2 takes 3 beats of 2 x (3 x 8 + 24) = 288 s; M = 16: 17 beats of 2 x (3 + 24) = 918 s
+    assert choices == [16, 2]
 
 
 def test_micro_batches_divide_awkward_batches() -> None:

@@ -14,8 +14,9 @@ from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
 BATCH = 32
 # 8 blocks whose activations (1 MB per sample) dwarf their parameters (1 KB): memory grows with the samples held.
+# A call costs as much as 2 samples, so small micro-batches are dear.
 COSTS = [BlockCost(forward_s=1e-3, backward_s=2e-3, output_bytes=1_000, param_bytes=1_000,
-                   activation_bytes=1_000_000)] * 8
+                   activation_bytes=1_000_000, forward_fixed_s=2e-3, backward_fixed_s=4e-3)] * 8
 # Between one stage holding its replica's 16 samples (8 blocks x 16 MB) and a 1F1B stage holding 2 micro-batches
 # of 4 samples (4 blocks x 8 MB), and below a GPipe stage holding its whole 32 samples (4 blocks x 32 MB).
 BUDGET_GB = 0.1
@@ -44,21 +45,23 @@ def test_gpipe_is_checked_for_the_whole_batch(micro_batches: str) -> None:
 
 def test_1f1b_auto_chooses_the_count_with_the_split_so_a_pipeline_fits() -> None:
     """2 micro-batches of 16 in flight hold the whole batch (4 blocks x 32 MB, over the budget); 4 of 8 fit, and
-    are faster than more, smaller ones (each pays the per-micro-batch overhead)."""
+    are faster than more, smaller ones (each pays the blocks' costs per call: 5 beats of 121 ms against 9 of 73)."""
     config = load_config(CONFIG, [f"train.batch_size={BATCH}", "pipe.enabled=true", "dp.enabled=true",
                                   f"pipe.device_memory_gb={BUDGET_GB}", "pipe.schedule=1f1b", "pipe.micro_batches=auto"])
     plan = plan_layout(config.pipe, COSTS, 2, elastic=True, batch_size=BATCH, frozen_blocks=0, cached_blocks=0)
     assert (plan.layout.num_stages, plan.layout.dp_width, plan.micro_batches) == (2, 1, 4)
 
 
-# MiniLM's blocks as `pipetransformer plan configs/text_minilm_no_freeze.yaml` profiled them here (per sample):
-# the embeddings hold most parameters, the layers most activations.
+# MiniLM's blocks as `pipetransformer plan configs/text_minilm_no_freeze.yaml` profiled them here (per sample, and
+# per call): the embeddings hold most parameters (and pay ~19 ms a backward for their table's dense gradient),
+# the layers most activations.
 MINILM_COSTS = [
-    BlockCost(forward_s=0.19e-3, backward_s=1.70e-3, output_bytes=98_800, param_bytes=47_670_000,
-              activation_bytes=198_200),
-    *[BlockCost(forward_s=2.0e-3, backward_s=2.7e-3, output_bytes=98_800, param_bytes=7_100_000,
-                activation_bytes=2_360_300)] * 6,
-    BlockCost(forward_s=1e-5, backward_s=1e-5, output_bytes=8, param_bytes=3_080, activation_bytes=3_300),
+    BlockCost(forward_s=0.14e-3, backward_s=0.08e-3, output_bytes=98_800, param_bytes=47_670_000,
+              activation_bytes=198_200, forward_fixed_s=0.36e-3, backward_fixed_s=18.6e-3),
+    *[BlockCost(forward_s=2.8e-3, backward_s=4.5e-3, output_bytes=98_800, param_bytes=7_100_000,
+                activation_bytes=2_360_300, forward_fixed_s=1.1e-3, backward_fixed_s=1.2e-3)] * 6,
+    BlockCost(forward_s=1e-5, backward_s=1e-5, output_bytes=8, param_bytes=3_080, activation_bytes=3_300,
+              forward_fixed_s=3e-5, backward_fixed_s=4e-5),
 ]
 MINILM_BUDGET_GB = 0.5
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
-from pipetransformer.pipe.cost import analytic_costs
-from pipetransformer.pipe.profile import profile_blocks
+from pipetransformer.pipe.cost import BlockCost, analytic_costs
+from pipetransformer.pipe.profile import PROFILE_BATCH, per_sample_and_fixed, profile_blocks
 
 VOCAB, HIDDEN, MLP, SEQ, BATCH, CLASSES = 50, 16, 32, 6, 4, 3
 FLOAT, INT64 = 4, 8
@@ -57,7 +58,8 @@ def test_profile_times_and_bytes() -> None:
     model, inputs = tiny_model()
     costs = profile_blocks(model, inputs)
     assert len(costs) == len(model) == 4
-    assert all(c.forward_s > 0 and c.backward_s > 0 for c in costs)
+    assert all(min(c.seconds(BATCH)) > 0 for c in costs)
+    assert all(min(c.forward_s, c.backward_s, c.forward_fixed_s, c.backward_fixed_s) >= 0 for c in costs)
     hidden_and_mask = SEQ * HIDDEN * FLOAT + SEQ * INT64
     assert [c.output_bytes for c in costs] == [hidden_and_mask, hidden_and_mask, hidden_and_mask, CLASSES * FLOAT]
     assert [c.param_bytes for c in costs] == [param_bytes(b) for b in model.blocks]
@@ -100,3 +102,61 @@ def test_analytic_layer_parameters_match_torch() -> None:
     )
     assert costs[1].param_bytes == param_bytes(layer)
     assert costs[-1].param_bytes == param_bytes(nn.Linear(hidden, 2))
+
+
+WORK = 256
+"""Side of the square matrices below: a 256 x 256 x 256 matmul takes about a millisecond on one CPU thread."""
+
+
+class Scale(nn.Module):
+    """Embeddings stand-in: nearly free."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden * 1.0,)
+
+
+class PerCallWork(nn.Module):
+    """Two large matmuls a call, whatever the batch (kernel launches writ large); the samples are only scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WORK, WORK) / WORK**0.5)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden * (self.weight @ self.weight @ self.weight).mean(),)
+
+
+class PerSampleWork(nn.Module):
+    """One large matmul per sample (its outer product with itself times a matrix), nothing per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WORK, WORK) / WORK**0.5)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (((hidden[:, :, None] * hidden[:, None, :]) @ self.weight).mean(dim=1),)
+
+
+def test_profile_splits_time_per_call_from_time_per_sample() -> None:
+    torch.manual_seed(0)
+    model = BlockSequence(Scale(), [PerCallWork(), PerSampleWork()], Scale(), task="image")
+    costs = profile_blocks(model, (torch.randn(PROFILE_BATCH, WORK),), repeats=5)
+
+    def per_call_and_per_batch(cost: BlockCost) -> tuple[float, float]:
+        return cost.forward_fixed_s + cost.backward_fixed_s, (cost.forward_s + cost.backward_s) * PROFILE_BATCH
+
+    # most of each block's time at the profiled batch is of the kind its work is (2x: robust to a busy machine)
+    fixed, variable = per_call_and_per_batch(costs[1])
+    assert fixed > 2 * variable
+    fixed, variable = per_call_and_per_batch(costs[2])
+    assert variable > 2 * fixed
+
+
+def test_the_line_through_two_timings() -> None:
+    assert per_sample_and_fixed(0.3, 0.9, 2, 8) == pytest.approx((0.1, 0.1))
+    # noise: the small batch slower than the large one -> all of it per call
+    assert per_sample_and_fixed(1.0, 0.9, 2, 8) == (0.0, 0.9)
+    # noise: more than proportional -> all of it per sample, the profiled size still exact
+    assert per_sample_and_fixed(0.1, 0.8, 2, 8) == pytest.approx((0.1, 0.0))
+    with pytest.raises(ValueError, match="0 < small < large"):
+        per_sample_and_fixed(0.1, 0.2, 8, 8)

@@ -145,6 +145,15 @@ def test_stage_works_follow_the_block_states() -> None:
             stage_memory(COSTS, states, start, end, micro_batch_size=2, in_flight_micro_batches=3)
 
 
+def test_stage_works_pay_each_blocks_cost_per_call_once_per_micro_batch() -> None:
+    costs = [BlockCost(1.0, 2.0, 10, 400, 7, forward_fixed_s=3.0, backward_fixed_s=5.0)] * 3
+    first, second = stage_works(costs, [F, A, A], [(0, 2), (2, 3)], micro_batch_size=4, overhead_s=0.5,
+                                memory_bytes_per_s=math.inf, bucket_bytes=10**9)
+    # the frozen block 0 runs forward only
+    assert (first.forward_s, first.backward_s) == (2 * (4 + 3) + 0.5, 8 + 5 + 0.5)
+    assert (second.forward_s, second.backward_s) == (4 + 3 + 0.5, 8 + 5 + 0.5)
+
+
 def test_buckets_fill_from_the_last_block() -> None:
     works = stage_works(COSTS, [A] * 6, [(0, 6)], micro_batch_size=1, overhead_s=0.0, memory_bytes_per_s=math.inf,
                         bucket_bytes=800)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "block_states",
     "analytic_costs",
     "analytic_work",
+    "block_fixed_seconds",
     "block_memory",
     "block_seconds_per_sample",
     "costs_from_work",
@@ -116,6 +117,10 @@ class BlockCost:
 
     ``recompute_bytes`` is non-zero only for a recomputed block (:func:`recomputed`): the activations it
     rebuilds during its backward, held for one micro-batch at a time on top of what the stage keeps.
+    ``forward_fixed_s`` and ``backward_fixed_s`` are paid once per call whatever its size (kernel launches,
+    an embedding table's dense gradient): what makes many small micro-batches dearer than few large ones.
+    Profiling measures them (:func:`~pipetransformer.pipe.profile.profile_blocks`); analytic costs leave them
+    at 0 and count such costs per micro-batch and stage instead.
     """
 
     forward_s: float
@@ -124,6 +129,12 @@ class BlockCost:
     param_bytes: int
     activation_bytes: int
     recompute_bytes: int = 0
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+
+    def seconds(self, samples: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one call on ``samples`` samples."""
+        return (self.forward_s * samples + self.forward_fixed_s, self.backward_s * samples + self.backward_fixed_s)
 
 
 @dataclass(frozen=True)
@@ -199,6 +210,15 @@ def block_seconds_per_sample(cost: BlockCost, state: BlockState) -> float:
     return 0.0
 
 
+def block_fixed_seconds(cost: BlockCost, state: BlockState) -> float:
+    """What ``cost`` adds to every micro-batch in ``state``, whatever its size."""
+    if state is BlockState.ACTIVE:
+        return cost.forward_fixed_s + cost.backward_fixed_s
+    if state is BlockState.FROZEN:
+        return cost.forward_fixed_s
+    return 0.0
+
+
 def block_memory(
     cost: BlockCost,
     state: BlockState,
@@ -228,7 +248,8 @@ def transfer_time(num_bytes: float, link: Link) -> float:
 def stage_timing(
     costs: Sequence[BlockCost], states: Sequence[BlockState], start: int, end: int, link: Link
 ) -> StageTiming:
-    """Compute of blocks ``start..end-1`` plus the messages on the stage's two boundaries.
+    """Compute of blocks ``start..end-1`` (their per-sample and fixed parts) plus the messages on the stage's two
+    boundaries.
 
     An input boundary exists unless the stage starts the model or its input comes from the cache;
     an output boundary exists unless the stage ends the model. Each boundary carries the activation
@@ -237,7 +258,7 @@ def stage_timing(
     if not 0 <= start < end <= len(costs):
         raise ValueError(f"stage bounds must satisfy 0 <= start < end <= {len(costs)}, got ({start}, {end})")
     per_sample = sum(block_seconds_per_sample(costs[i], states[i]) for i in range(start, end))
-    fixed = 0.0
+    fixed = sum(block_fixed_seconds(costs[i], states[i]) for i in range(start, end))
     boundaries = []
     if start > 0 and states[start - 1] is not BlockState.CACHED:
         boundaries.append(start)
@@ -294,11 +315,10 @@ def recomputed(cost: BlockCost, input_bytes: int) -> BlockCost:
     """
     if cost.recompute_bytes:
         return cost
-    return BlockCost(
-        forward_s=cost.forward_s,
+    return replace(
+        cost,
         backward_s=cost.backward_s + cost.forward_s,
-        output_bytes=cost.output_bytes,
-        param_bytes=cost.param_bytes,
+        backward_fixed_s=cost.backward_fixed_s + cost.forward_fixed_s,
         activation_bytes=input_bytes,
         recompute_bytes=cost.activation_bytes,
     )

@@ -22,9 +22,11 @@ from pipetransformer.pipe.partition import (Partition, PartitionError, choose_mi
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
 
-PER_MICROBATCH_OVERHEAD_S = 2e-2
-"""Fixed cost of one micro-batch per stage (schedule bookkeeping + p2p latency), a CPU/gloo estimate: on 2 CPU
-workers a 2-stage pipeline of 4 micro-batches measured ~20% slower per step than data parallelism."""
+PER_MICROBATCH_OVERHEAD_S = 1e-3
+"""Cost of one micro-batch per stage beyond its blocks' own costs per call (schedule bookkeeping, p2p latency), a
+CPU/gloo estimate. Fitted on the step-time ratios between 4, 8 and 16 micro-batches of both shipped pipelines
+(benchmarks/planner/README.md, "The micro-batch count"): 1 ms fits them best once blocks are profiled per call
+(0.5-2 ms within 1.5x of its error). Before that it was 20 ms, standing in for those costs per call."""
 
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"

@@ -1,7 +1,10 @@
 """Measure every block's :class:`~pipetransformer.pipe.cost.BlockCost` on the device it runs on.
 
 Each block is timed alone on the real activation its predecessor produces, so the partitioner sees
-what this machine actually does (embeddings and heads are often far from a layer's cost).
+what this machine actually does (embeddings and heads are often far from a layer's cost). It is timed on
+two batch sizes, so its time splits into a part per sample and a part per call: a micro-batch of 4 is not
+half the time of one of 8 (MiniLM's embeddings, on one CPU thread: ~20 ms a call at 2 samples and at 16,
+the dense gradient of the token table).
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from torch import nn
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
-__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "PROFILE_REPEATS", "PROFILE_WARMUP", "analytic_block_work",
-           "estimate_block_costs", "profile_blocks"]
+__all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "PROFILE_REPEATS", "PROFILE_WARMUP", "SMALL_BATCH_DIVISOR",
+           "analytic_block_work", "estimate_block_costs", "per_sample_and_fixed", "profile_blocks"]
 
 PROFILE_BATCH = 8
 """Samples of the example batch blocks are profiled on (costs are per sample): enough to time, cheap to run."""
+
+SMALL_BATCH_DIVISOR = 4
+"""Blocks are also timed on 1/4 of the example batch; the line through the two timings gives a block's time per
+sample (its slope) and per call (its intercept). A quarter keeps the two sizes far apart and the extra runs cheap."""
 
 PROFILE_WARMUP, PROFILE_REPEATS = 1, 3
 """Untimed and timed runs (forward + backward) of each block; costs are the timed runs' medians."""
@@ -75,31 +82,66 @@ def _timed(run: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
     return result, time.perf_counter() - start
 
 
-def _profile_block(
-    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int, needs_input_grad: bool,
-    compute_dtype: torch.dtype | None,
-) -> tuple[BlockCost, Activation]:
-    """Each run is one forward and one backward, timed apart; the first run also records saved tensors
-    (it is a warm-up run unless ``warmup`` is 0)."""
+def _time_block(
+    block: nn.Module, activation: Activation, warmup: int, repeats: int, needs_input_grad: bool,
+    compute_dtype: torch.dtype | None, saved: _SavedBytes | None,
+) -> tuple[float, float, Activation]:
+    """Median forward and backward seconds of ``block`` on ``activation``, and its output; the first run also
+    records the tensors autograd saves into ``saved`` (it is a warm-up run unless ``warmup`` is 0)."""
     device = activation[0].device
-    saved = _SavedBytes(block)
     forward_times, backward_times = [], []
     output: Activation = ()
     for run in range(warmup + repeats):
         inputs = _with_input_grads(activation, needs_input_grad)
-        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack) if run == 0 else nullcontext()
+        record = saved is not None and run == 0
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack) if record else nullcontext()
         with hooks:
             output, forward_s = _timed(lambda: run_blocks([block], inputs, compute_dtype=compute_dtype), device)
         outputs = [t for t in output if t.requires_grad]
         _, backward_s = _timed(lambda: torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs]), device)
         forward_times.append(forward_s)
         backward_times.append(backward_s)
+    return statistics.median(forward_times[warmup:]), statistics.median(backward_times[warmup:]), output
+
+
+def per_sample_and_fixed(small_s: float, large_s: float, small: int, large: int) -> tuple[float, float]:
+    """(seconds per sample, seconds per call) of the line through ``small_s`` on ``small`` samples and ``large_s``
+    on ``large``. The slope is kept within [0, large_s / large], so both parts are >= 0 and the line still gives
+    ``large_s`` at ``large``: timing noise never makes a block free, nor dearer than measured at the profiled size.
+    """
+    if large < 1 or not 0 < small < large:
+        raise ValueError(f"need 0 < small < large, got small={small}, large={large}")
+    per_sample = min(max(0.0, (large_s - small_s) / (large - small)), large_s / large)
+    return per_sample, large_s - per_sample * large
+
+
+def _profile_block(
+    block: nn.Module, activation: Activation, batch_size: int, warmup: int, repeats: int, needs_input_grad: bool,
+    compute_dtype: torch.dtype | None,
+) -> tuple[BlockCost, Activation]:
+    """The block timed on the whole example batch and on its first ``batch_size // SMALL_BATCH_DIVISOR`` samples
+    (a batch too small for two sizes gets costs per sample only)."""
+    saved = _SavedBytes(block)
+    forward_s, backward_s, output = _time_block(block, activation, warmup, repeats, needs_input_grad, compute_dtype,
+                                                saved)
+    small = batch_size // SMALL_BATCH_DIVISOR
+    if small >= 1:
+        head = tuple(t[:small] for t in activation)
+        small_forward_s, small_backward_s, _ = _time_block(block, head, warmup, repeats, needs_input_grad,
+                                                           compute_dtype, None)
+        forward_per_sample, forward_fixed = per_sample_and_fixed(small_forward_s, forward_s, small, batch_size)
+        backward_per_sample, backward_fixed = per_sample_and_fixed(small_backward_s, backward_s, small, batch_size)
+    else:
+        forward_per_sample, forward_fixed = forward_s / batch_size, 0.0
+        backward_per_sample, backward_fixed = backward_s / batch_size, 0.0
     cost = BlockCost(
-        forward_s=statistics.median(forward_times[warmup:]) / batch_size,
-        backward_s=statistics.median(backward_times[warmup:]) / batch_size,
+        forward_s=forward_per_sample,
+        backward_s=backward_per_sample,
         output_bytes=_tensor_bytes(output) // batch_size,
         param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
         activation_bytes=saved.total // batch_size,
+        forward_fixed_s=forward_fixed,
+        backward_fixed_s=backward_fixed,
     )
     return cost, tuple(t.detach() for t in output)
 
@@ -128,8 +170,8 @@ def profile_blocks(
     model: BlockSequence, example_inputs: tuple[torch.Tensor, ...], *, warmup: int = PROFILE_WARMUP,
     repeats: int = PROFILE_REPEATS
 ) -> list[BlockCost]:
-    """Per-sample forward/backward seconds (medians), output, parameter and saved-activation bytes of each block,
-    in the model's compute dtype.
+    """Per-sample and per-call forward/backward seconds (from medians), output, parameter and saved-activation
+    bytes of each block, in the model's compute dtype.
 
     ``example_inputs`` is one batch of model inputs (batch dimension first), on the model's device.
     """

@@ -304,7 +304,7 @@ def stage_works(
     bucket_bytes: int,
     optimizer_state_factor: int = ADAMW_STATE_FACTOR,
 ) -> list[StageWork]:
-    """Each stage's work for micro-batches of ``micro_batch_size`` from per-sample block costs.
+    """Each stage's work for micro-batches of ``micro_batch_size`` from per-sample (and per-call) block costs.
 
     A frozen block runs forward only, a cached one not at all (its output is read from the cache into
     stage 0); ``overhead_s`` is added to every forward and backward a stage runs.
@@ -335,8 +335,8 @@ def stage_works(
         rebuilt = max((costs[i].recompute_bytes for i in blocks if states[i] is active), default=0)
         gradient_out = start > 0 and states[start - 1] is active
         works.append(StageWork(
-            forward_s=sum(costs[i].forward_s for i in run) * micro_batch_size + overhead_s,
-            backward_s=(sum(costs[i].backward_s for i in blocks if states[i] is active) * micro_batch_size
+            forward_s=sum(costs[i].seconds(micro_batch_size)[0] for i in run) + overhead_s,
+            backward_s=(sum(costs[i].seconds(micro_batch_size)[1] for i in blocks if states[i] is active)
                         + overhead_s) if trains else 0.0,
             activation_out_bytes=costs[end - 1].output_bytes * micro_batch_size if end < len(costs) else 0,
             gradient_out_bytes=costs[start - 1].output_bytes * micro_batch_size if gradient_out else 0,

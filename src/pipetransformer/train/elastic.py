@@ -10,7 +10,7 @@ new place is built (``train.step``). ``rank = replica * stages + stage``; ranks 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -223,8 +223,10 @@ class ElasticLayout:
             inputs = example_inputs(ctx.dataset, ctx.max_length, ctx.device, PROFILE_BATCH)
             costs = estimate_block_costs(self.model, inputs, num_classes=ctx.task.outputs(ctx.dataset),
                                          measure=self.pipe.profile)
-        table = torch.tensor([[c.forward_s, c.backward_s, c.output_bytes, c.param_bytes, c.activation_bytes]
-                              for c in costs] if costs else [[0.0] * 5] * len(self.model), dtype=torch.float64)
+        names = [field.name for field in fields(BlockCost)]
+        table = torch.tensor([[float(getattr(c, name)) for name in names] for c in costs] if costs
+                             else [[0.0] * len(names)] * len(self.model), dtype=torch.float64)
         if self.env.distributed:
             dist.broadcast(table, src=0)
-        return [BlockCost(float(r[0]), float(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
+        return [BlockCost(**{name: int(value) if name.endswith("_bytes") else value  # type: ignore[arg-type]
+                             for name, value in zip(names, row, strict=True)}) for row in table.tolist()]
