@@ -45,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from pipetransformer.models import BlockSequence, build_model
 from pipetransformer.pipe import (BlockCost, BlockState, Link, Partition, partition, predict_step_time, profile_blocks,
                                   stage_time)
+from pipetransformer.pipe.profile import broadcast_costs
 from pipetransformer.pipe.cost import stage_timing
 from pipetransformer.pipe.stage import PipelineRunner, StageModule
 
@@ -70,7 +71,6 @@ MS_PER_SECOND = 1e3
 KIB_PER_GIB = 2**20
 """/proc/meminfo counts kibibytes."""
 CONFIGURATIONS = ("uniform", "balanced", "torch_balanced")
-COST_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "activation_bytes")
 
 
 @dataclass(frozen=True)
@@ -121,13 +121,11 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _shared_costs(model: BlockSequence, pixels: torch.Tensor, rank: int) -> list[BlockCost]:
     """Profiled on rank 0 at the micro-batch size and broadcast, so both ranks plan from the same numbers."""
-    table = torch.zeros(len(model), len(COST_FIELDS), dtype=torch.float64)
+    costs = None
     if rank == 0:
         micro = pixels[: BATCH_SIZE // MICRO_BATCHES]
         costs = profile_blocks(model, (micro,), warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS)
-        table = torch.tensor([[getattr(c, f) for f in COST_FIELDS] for c in costs], dtype=torch.float64)
-    dist.broadcast(table, src=0)
-    return [BlockCost(r[0], r[1], int(r[2]), int(r[3]), int(r[4])) for r in table.tolist()]
+    return broadcast_costs(costs, len(model))
 
 
 def _embedding_training_s(model: BlockSequence, pixels: torch.Tensor) -> float:
@@ -239,7 +237,8 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
             slowest[name] = times.tolist()
         if rank == 0:
             # What the partitioner would pick if block 0 were costed as training runs it.
-            as_trained = [replace(costs[0], backward_s=max(0.0, embedding_training_s - costs[0].forward_s)), *costs[1:]]
+            as_trained = [replace(costs[0], backward_s=max(0.0, embedding_training_s - costs[0].forward_s),
+                                  forward_fixed_s=0.0, backward_fixed_s=0.0), *costs[1:]]
             corrected = partition(as_trained, states, WORLD_SIZE, micro_batch_size=micro,
                                   memory_budget_bytes=math.inf, link=FREE_LINK).bounds
             predicted = {
@@ -306,8 +305,9 @@ def report(result: dict[str, object]) -> str:
     costs = result["costs"]
     names = result["block_names"]
     assert isinstance(costs, list) and isinstance(names, list)
-    per_block = ", ".join(
-        f"{n} {(c['forward_s'] + c['backward_s']) * MS_PER_SECOND:.2f}" for n, c in zip(names, costs, strict=True)
+    micro = BATCH_SIZE // MICRO_BATCHES
+    per_block = ", ".join(  # per sample of a micro-batch, its costs per call shared out (older records have none)
+        f"{n} {sum(BlockCost(**c).seconds(micro)) / micro * MS_PER_SECOND:.2f}" for n, c in zip(names, costs, strict=True)
     )
     medians = result["median_ms"]
     bounds = result["bounds"]

@@ -136,11 +136,11 @@ class FreezeConfig:
 class PipeConfig:
     enabled: bool = False  # AutoPipe: pipeline stages over the workers, re-partitioned as layers freeze
     stages: int | Literal["auto"] = "auto"  # auto: fewest stages that fit device_memory_gb
-    micro_batches: int | Literal["auto"] = "auto"  # auto: from the cost model (bubble vs per-micro-batch overhead)
+    micro_batches: int | Literal["auto"] = "auto"  # auto: from the cost model (bubble vs the blocks' costs per call)
     schedule: Literal["gpipe", "1f1b"] = "gpipe"  # torch.distributed.pipelining schedule
     device_memory_gb: float | None = None  # per-device budget for the partitioner (CPU: a budget you set)
     link_bandwidth_gbps: float = 10.0  # stage-to-stage bandwidth assumed by the cost model (GB/s)
-    profile: bool = True  # measure block costs on the device; false = analytical estimate
+    profile: bool = True  # measure block costs on the device (per sample and per call); false = analytical estimate
     recompute: bool = False  # the planner may recompute chosen blocks' activations in backward to fit device_memory_gb, when predicted faster than another stage
 
 

@@ -13,19 +13,22 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import fields
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
 __all__ = ["ANALYTIC_FLOPS_PER_SECOND", "PROFILE_BATCH", "PROFILE_REPEATS", "PROFILE_WARMUP", "SMALL_BATCH_DIVISOR",
-           "analytic_block_work", "estimate_block_costs", "per_sample_and_fixed", "profile_blocks"]
+           "analytic_block_work", "broadcast_costs", "estimate_block_costs", "per_sample_and_fixed",
+           "profile_blocks"]
 
 PROFILE_BATCH = 8
-"""Samples of the example batch blocks are profiled on (costs are per sample): enough to time, cheap to run."""
+"""Samples of the example batch blocks are profiled on (and on a quarter of it): enough to time, cheap to run."""
 
 SMALL_BATCH_DIVISOR = 4
 """Blocks are also timed on 1/4 of the example batch; the line through the two timings gives a block's time per
@@ -213,3 +216,15 @@ def estimate_block_costs(model: BlockSequence, example_inputs: tuple[torch.Tenso
         return profile_blocks(model, example_inputs)
     work = analytic_block_work(model, example_inputs, num_classes=num_classes)
     return costs_from_work(work, flops_per_second=ANALYTIC_FLOPS_PER_SECOND)
+
+
+def broadcast_costs(costs: list[BlockCost] | None, num_blocks: int) -> list[BlockCost]:
+    """Rank 0's ``costs`` (the other ranks pass None) on every rank of the default group, every field in one
+    broadcast of a CPU tensor (the default group carries gloo for those), so every rank plans from the same numbers."""
+    names = [field.name for field in fields(BlockCost)]
+    table = torch.zeros(num_blocks, len(names), dtype=torch.float64)
+    if costs is not None:
+        table = torch.tensor([[float(getattr(cost, name)) for name in names] for cost in costs], dtype=torch.float64)
+    dist.broadcast(table, src=0)
+    return [BlockCost(**{name: int(value) if name.endswith("_bytes") else value  # type: ignore[arg-type]
+                         for name, value in zip(names, row, strict=True)}) for row in table.tolist()]

@@ -10,7 +10,7 @@ new place is built (``train.step``). ``rank = replica * stages + stage``; ranks 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from pipetransformer.faults import maybe_fail
 from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.pipe.layout import transfer_plan
 from pipetransformer.pipe.planner import LayoutPlan, plan_layout
-from pipetransformer.pipe.profile import PROFILE_BATCH, estimate_block_costs
+from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimate_block_costs
 from pipetransformer.train.build import example_inputs
 from pipetransformer.train.optimizer import HeldOptimizer, OptimizerState
 from pipetransformer.train.step import LocalStep, PipelineStep, StepContext, StepExecutor
@@ -218,15 +218,12 @@ class ElasticLayout:
         if not self.pipe.enabled:
             return [UNIFORM_COST for _ in range(len(self.model))]
         ctx = self.context
-        costs: list[BlockCost] = []
+        costs: list[BlockCost] | None = None
         if self.env.is_main:
             inputs = example_inputs(ctx.dataset, ctx.max_length, ctx.device, PROFILE_BATCH)
             costs = estimate_block_costs(self.model, inputs, num_classes=ctx.task.outputs(ctx.dataset),
                                          measure=self.pipe.profile)
-        names = [field.name for field in fields(BlockCost)]
-        table = torch.tensor([[float(getattr(c, name)) for name in names] for c in costs] if costs
-                             else [[0.0] * len(names)] * len(self.model), dtype=torch.float64)
         if self.env.distributed:
-            dist.broadcast(table, src=0)
-        return [BlockCost(**{name: int(value) if name.endswith("_bytes") else value  # type: ignore[arg-type]
-                             for name, value in zip(names, row, strict=True)}) for row in table.tolist()]
+            costs = broadcast_costs(costs, len(self.model))
+        assert costs is not None, "rank 0 profiles the blocks"
+        return costs
