@@ -67,6 +67,16 @@ def test_profile_times_and_bytes() -> None:
     assert costs[1].activation_bytes == costs[2].activation_bytes
 
 
+@pytest.mark.cuda
+def test_profile_on_cuda_times_the_device_not_the_launch() -> None:
+    """On CUDA the timer synchronizes, so both sizes time the kernels: parts >= 0, a call costs time."""
+    model, inputs = tiny_model()
+    device = torch.device("cuda")
+    costs = profile_blocks(model.to(device), tuple(t.to(device) for t in inputs))
+    assert all(min(c.seconds(BATCH)) > 0 for c in costs)
+    assert all(min(c.forward_s, c.backward_s, c.forward_fixed_s, c.backward_fixed_s) >= 0 for c in costs)
+
+
 def test_profile_leaves_the_model_as_it_was() -> None:
     model, inputs = tiny_model()
     model.eval()
