@@ -43,9 +43,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from pipetransformer.models import BlockSequence, build_model
-from pipetransformer.pipe import (BlockCost, BlockState, Link, Partition, partition, predict_step_time, profile_blocks,
-                                  stage_time)
-from pipetransformer.pipe.profile import broadcast_costs
+from pipetransformer.pipe import (BlockCost, BlockState, Link, Partition, broadcast_costs, partition, predict_step_time,
+                                  profile_blocks, stage_time)
 from pipetransformer.pipe.cost import stage_timing
 from pipetransformer.pipe.stage import PipelineRunner, StageModule
 
@@ -307,7 +306,8 @@ def report(result: dict[str, object]) -> str:
     assert isinstance(costs, list) and isinstance(names, list)
     micro = BATCH_SIZE // MICRO_BATCHES
     per_block = ", ".join(  # per sample of a micro-batch, its costs per call shared out (older records have none)
-        f"{n} {sum(BlockCost(**c).seconds(micro)) / micro * MS_PER_SECOND:.2f}" for n, c in zip(names, costs, strict=True)
+        f"{n} {sum(BlockCost(**c).seconds(micro)) / micro * MS_PER_SECOND:.2f}"
+        for n, c in zip(names, costs, strict=True)
     )
     medians = result["median_ms"]
     bounds = result["bounds"]

@@ -366,7 +366,7 @@ def analyse(payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                     if info["load_mean"] is not None) + ".",
         "",
         f"Local profile: block costs profiled at batches {PROFILE_BATCH} and {PROFILE_BATCH // SMALL_BATCH_DIVISOR} "
-        f"(per sample and per call) on one thread; the optimizer's memory speed timed "
+        f"(per sample and per call) with the threads one of {NPROC} workers gets; the optimizer's memory speed timed "
         f"({memory_bytes_per_s / 1e9:.1f} GB/s); fitted on the calibration launches: all-reduce bandwidth "
         f"{bandwidth} GB/s and {overhead} ms per micro-batch per stage (grid {BANDWIDTHS_GB_S} GB/s x "
         f"{OVERHEADS_MS} ms). Data loading and the control all-reduce (median {host_s * 1e3:.0f} ms a step on "

@@ -47,7 +47,8 @@ def test_1f1b_auto_chooses_the_count_with_the_split_so_a_pipeline_fits() -> None
     """2 micro-batches of 16 in flight hold the whole batch (4 blocks x 32 MB, over the budget); 4 of 8 fit, and
     are faster than more, smaller ones (each pays the blocks' costs per call: 5 beats of 121 ms against 9 of 73)."""
     config = load_config(CONFIG, [f"train.batch_size={BATCH}", "pipe.enabled=true", "dp.enabled=true",
-                                  f"pipe.device_memory_gb={BUDGET_GB}", "pipe.schedule=1f1b", "pipe.micro_batches=auto"])
+                                  f"pipe.device_memory_gb={BUDGET_GB}", "pipe.schedule=1f1b",
+                                  "pipe.micro_batches=auto"])
     plan = plan_layout(config.pipe, COSTS, 2, elastic=True, batch_size=BATCH, frozen_blocks=0, cached_blocks=0)
     assert (plan.layout.num_stages, plan.layout.dp_width, plan.micro_batches) == (2, 1, 4)
 

@@ -43,7 +43,7 @@ from pipetransformer.pipe.partition import (
     partition,
     predict_step_time,
 )
-from pipetransformer.pipe.profile import profile_blocks
+from pipetransformer.pipe.profile import broadcast_costs, profile_blocks
 
 __all__ = [
     "ADAMW_STATE_FACTOR",
@@ -67,6 +67,7 @@ __all__ = [
     "block_memory",
     "block_owners",
     "block_seconds_per_sample",
+    "broadcast_costs",
     "bubble_fraction",
     "choose_micro_batches",
     "compress",
