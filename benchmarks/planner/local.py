@@ -6,9 +6,9 @@ trained inside a few launches: ``freeze.policy: schedule`` freezes one more laye
 training set, so each frozen count gets one epoch that fills the cache and one that reads it.
 
 The ``local`` cluster is this machine as the planner sees it: block costs profiled by the same code the
-trainer uses, the optimizer's memory speed timed on the model's parameters, and two constants fitted on two
-calibration launches (plain 1 x 2 and 2 x 1, no cache): the all-reduce bandwidth and the cost of one
-micro-batch per stage. The other launches are the validation; only their errors count.
+trainer uses, the memory speed of the trainer's optimizer phase timed on the model's parameters, and two
+constants fitted on two calibration launches (plain 1 x 2 and 2 x 1, no cache): the all-reduce bandwidth and the
+cost of one micro-batch per stage. The other launches are the validation; only their errors count.
 
 The simulator models compute, stage-to-stage messages, the gradient all-reduce and the optimizer step; data
 loading and the per-step control all-reduce are not in it, so the prediction of a step is the simulated step
@@ -77,9 +77,10 @@ MAX_LENGTH = 32  # most batches of 32 snippets reach it, so steps run at the pro
 SETTLE_STEPS = 2  # steps after a freeze or an epoch start left out (layout hand-over, first shapes)
 BUDGET_SHARE = 0.85  # the recomputation launches' memory budget: this share of the least one fitting without it
 BUDGET_SEARCH_CEILING_GB, BUDGET_SEARCH_TOLERANCE_GB = 8.0, 1e-4
-BANDWIDTHS_GB_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # the calibration grid
+BANDWIDTHS_GB_S = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)  # the calibration grid
 OVERHEADS_MS = (0.0, 2.0, 5.0, 10.0, 20.0, 40.0)
 OPTIMIZER_REPEATS = 5
+UNCLIPPED_NORM_FACTOR = 10.0  # a gradient norm this many times train.grad_clip: the timed steps clip, as early steps do
 STEP_GOAL, MEMORY_GOAL, WALL_GOAL = 0.15, 0.20, 0.15  # the issue's error bounds
 
 COMMON = (
@@ -124,23 +125,32 @@ def _config(launch: Launch, extra: tuple[str, ...] = ()) -> Config:
 
 
 def _optimizer_bytes_per_s(config: Config) -> float:
-    """The memory speed of an AdamW step on this model's parameters, as the simulator counts its bytes."""
+    """The memory speed of the trainer's optimizer phase on this model's parameters (clipping, the update, clearing the
+    gradients: :class:`HeldOptimizer` as the trainer builds it) with one worker's threads, as the simulator counts
+    its bytes."""
+    from pipetransformer.distributed import worker_threads
     from pipetransformer.models import build_model
+    from pipetransformer.train.optimizer import HeldOptimizer
 
     model = build_model(config.model.kind, num_labels=2, path=config.model.path, hf_config=config.model.hf_config)
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    optimizer.step()  # creates the state
+    optimizer = HeldOptimizer(model, config.train)
+    optimizer.rebuild((0, len(model)), {})
+    params = optimizer.params
     times = []
-    for _ in range(OPTIMIZER_REPEATS):
-        started = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(worker_threads(config.dist, NPROC))
+    try:
+        for _ in range(OPTIMIZER_REPEATS + 1):  # the first creates the state
+            for p in params:
+                p.grad = torch.randn_like(p)
+            started = time.perf_counter()
+            optimizer.step(config.train.lr, total_grad_norm=UNCLIPPED_NORM_FACTOR * (config.train.grad_clip or 1.0))
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     count = sum(p.numel() for p in params)
     factor = optimizer_state_factor(config.train.optimizer, config.train.momentum)
-    return optimizer_step_bytes(count, factor) / statistics.median(times)
+    return optimizer_step_bytes(count, factor) / statistics.median(times[1:])
 
 
 def _cluster(memory_bytes_per_s: float, bandwidth_gb_s: float, overhead_ms: float) -> Cluster:
@@ -279,15 +289,16 @@ def replay_wall_time(costs: list[BlockCost], cluster: Cluster, config: Config, s
                      "previous_cached": previous_cached}
             seconds["steps"] += predicted(costs, cluster, config, point).step_s
             seconds["host"] += host_s
-    # Profiling: warm-up and repeats, each a forward and a backward of every block at both profiled sizes.
+    # Profiling: warm-up and repeats, each a forward and a backward of every block and its frozen forward, at both
+    # profiled sizes.
     runs = PROFILE_WARMUP + PROFILE_REPEATS
-    seconds["profile"] = runs * sum(sum(c.seconds(size)) for c in costs
+    seconds["profile"] = runs * sum(sum(c.seconds(size)) + c.frozen_seconds(size) for c in costs
                                     for size in (PROFILE_BATCH, PROFILE_BATCH // SMALL_BATCH_DIVISOR))
     seconds["transitions"] = len(summary["transitions"]) * transition_s
     world = summary["world_size"]
     for evaluation in summary["eval_history"]:
         layout = [h for h in history if h["step"] <= evaluation["step"]][-1]
-        per_sample = sum(c.forward_s for c in costs[layout["cached_blocks"]:])
+        per_sample = sum(c.frozen_forward[0] for c in costs[layout["cached_blocks"]:])  # eval mode, no graph
         seconds["evaluations"] += math.ceil(config.data.max_eval_samples / world) * per_sample
     predicted_s = sum(seconds.values())
     return {**seconds, "predicted_s": predicted_s, "measured_s": summary["wall_time_s"],

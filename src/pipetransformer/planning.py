@@ -88,7 +88,9 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
         "world_size": world_size,
         "blocks": [{"name": n, "state": s.value, "forward_ms_per_sample": c.forward_s * 1e3,
                     "backward_ms_per_sample": c.backward_s * 1e3, "forward_ms_per_call": c.forward_fixed_s * 1e3,
-                    "backward_ms_per_call": c.backward_fixed_s * 1e3, "output_bytes": c.output_bytes,
+                    "backward_ms_per_call": c.backward_fixed_s * 1e3,
+                    "frozen_forward_ms_per_sample": c.frozen_forward[0] * 1e3,
+                    "frozen_forward_ms_per_call": c.frozen_forward[1] * 1e3, "output_bytes": c.output_bytes,
                     "param_bytes": c.param_bytes, "activation_bytes": c.activation_bytes}
                    for n, c, s in zip(names, costs, states, strict=True)],
         **plan.describe(),
@@ -107,12 +109,13 @@ def plan_command(config: Config, world_size: int, as_json: bool) -> int:
     if as_json:
         print(json.dumps(report, indent=2))
         return 0
-    print("per sample (ms/s) and per call, whatever its size (ms/call):")
-    print(f"{'block':<12} {'fwd ms/s':>9} {'bwd ms/s':>9} {'fwd ms/call':>12} {'bwd ms/call':>12} {'out KB':>8} "
-          f"{'param MB':>9} {'act KB':>8}")
+    print("per sample (ms/s) and per call, whatever its size (ms/call); frozen: the forward of the block frozen:")
+    print(f"{'block':<12} {'fwd ms/s':>9} {'bwd ms/s':>9} {'fwd ms/call':>12} {'bwd ms/call':>12} "
+          f"{'frozen ms/s':>12} {'out KB':>8} {'param MB':>9} {'act KB':>8}")
     for b in report["blocks"]:
         print(f"{b['name']:<12} {b['forward_ms_per_sample']:>9.3f} {b['backward_ms_per_sample']:>9.3f} "
               f"{b['forward_ms_per_call']:>12.3f} {b['backward_ms_per_call']:>12.3f} "
+              f"{b['frozen_forward_ms_per_sample']:>12.3f} "
               f"{b['output_bytes'] / 1e3:>8.1f} {b['param_bytes'] / 1e6:>9.2f} {b['activation_bytes'] / 1e3:>8.1f}")
     print(f"\nworkers {world_size}: {report['stages']} stage(s) x {report['dp_width']} replica(s), "
           f"{report['micro_batches']} micro-batch(es)"

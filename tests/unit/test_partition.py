@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from pipetransformer.pipe.cost import (
     Link,
     analytic_costs,
     block_fixed_seconds,
+    block_forward_seconds,
     block_memory,
     block_seconds_per_sample,
     stage_memory,
@@ -98,6 +100,19 @@ def test_costs_per_call_count_once_per_micro_batch() -> None:
     assert (timing.seconds_per_sample, timing.fixed_s) == (1.0 + 3.0, 5.0 + 12.0 + 0.0)
     assert stage_time([cost] * 3, [A] * 3, 0, 2, micro_batch_size=4, link=Link(math.inf, latency_s=0.5)) == \
         pytest.approx(2 * (3.0 * 4 + 12.0) + 2 * 0.5)
+
+
+def test_a_frozen_block_costs_its_frozen_forward() -> None:
+    cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0,
+                     forward_fixed_s=5.0, backward_fixed_s=7.0, frozen_forward_s=0.75, frozen_forward_fixed_s=4.0)
+    assert (block_seconds_per_sample(cost, F), block_fixed_seconds(cost, F)) == (0.75, 4.0)
+    assert (block_seconds_per_sample(cost, A), block_fixed_seconds(cost, A)) == (3.0, 12.0), "training: unchanged"
+    assert [block_forward_seconds(cost, state, 4) for state in (A, F, C)] == [9.0, 7.0, 0.0]
+    timing = stage_timing([cost] * 2, [F, A], 0, 2, Link(math.inf, latency_s=0.0))
+    assert (timing.seconds_per_sample, timing.fixed_s) == (0.75 + 3.0, 4.0 + 12.0)
+    # not measured (analytic costs): the frozen forward is the training forward
+    unmeasured = replace(cost, frozen_forward_s=None, frozen_forward_fixed_s=None)
+    assert unmeasured.frozen_forward == (1.0, 5.0) and unmeasured.frozen_seconds(4) == 9.0
 
 
 def test_states_must_grow_from_the_bottom() -> None:

@@ -60,6 +60,8 @@ def test_profile_times_and_bytes() -> None:
     assert len(costs) == len(model) == 4
     assert all(min(c.seconds(BATCH)) > 0 for c in costs)
     assert all(min(c.forward_s, c.backward_s, c.forward_fixed_s, c.backward_fixed_s) >= 0 for c in costs)
+    assert all(c.frozen_forward_s is not None and min(c.frozen_forward) >= 0 and c.frozen_seconds(BATCH) > 0
+               for c in costs)
     hidden_and_mask = SEQ * HIDDEN * FLOAT + SEQ * INT64
     assert [c.output_bytes for c in costs] == [hidden_and_mask, hidden_and_mask, hidden_and_mask, CLASSES * FLOAT]
     assert [c.param_bytes for c in costs] == [param_bytes(b) for b in model.blocks]
@@ -160,6 +162,23 @@ def test_profile_splits_time_per_call_from_time_per_sample() -> None:
     assert fixed > 2 * variable
     fixed, variable = per_call_and_per_batch(costs[2])
     assert variable > 2 * fixed
+
+
+class TrainingOnlyWork(PerCallWork):
+    """The per-call matmuls in training mode only (dropout writ large): frozen, the block runs in eval mode."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return super().forward(hidden) if self.training else (hidden * 1.0,)
+
+
+def test_profile_times_the_frozen_forward_in_eval_mode() -> None:
+    torch.manual_seed(0)
+    model = BlockSequence(Scale(), [TrainingOnlyWork()], Scale(), task="image")
+    model.train()
+    costs = profile_blocks(model, (torch.randn(PROFILE_BATCH, WORK),), repeats=5)
+    training_forward = costs[1].seconds(PROFILE_BATCH)[0]
+    assert costs[1].frozen_seconds(PROFILE_BATCH) * 2 < training_forward  # 2x: robust to a busy machine
+    assert model.training and all(block.training for block in model.blocks), "modes restored"
 
 
 def test_the_line_through_two_timings() -> None:

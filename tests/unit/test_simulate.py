@@ -154,6 +154,15 @@ def test_stage_works_pay_each_blocks_cost_per_call_once_per_micro_batch() -> Non
     assert (second.forward_s, second.backward_s) == (4 + 3 + 0.5, 8 + 5 + 0.5)
 
 
+def test_stage_works_run_frozen_blocks_at_their_frozen_forward() -> None:
+    costs = [BlockCost(1.0, 2.0, 10, 400, 7, forward_fixed_s=3.0, backward_fixed_s=5.0, frozen_forward_s=0.5,
+                       frozen_forward_fixed_s=1.0)] * 3
+    first, second = stage_works(costs, [F, F, A], [(0, 2), (2, 3)], micro_batch_size=4, overhead_s=0.0,
+                                memory_bytes_per_s=math.inf, bucket_bytes=10**9)
+    assert (first.forward_s, first.backward_s) == (2 * (0.5 * 4 + 1.0), 0.0)
+    assert (second.forward_s, second.backward_s) == (4 + 3, 8 + 5), "the active block's training forward"
+
+
 def test_buckets_fill_from_the_last_block() -> None:
     works = stage_works(COSTS, [A] * 6, [(0, 6)], micro_batch_size=1, overhead_s=0.0, memory_bytes_per_s=math.inf,
                         bucket_bytes=800)

@@ -26,6 +26,7 @@ from pipetransformer.pipe.cost import (
     BlockCost,
     BlockState,
     Link,
+    block_forward_seconds,
     block_memory,
     transfer_time,
     validate_states,
@@ -306,8 +307,8 @@ def stage_works(
 ) -> list[StageWork]:
     """Each stage's work for micro-batches of ``micro_batch_size`` from per-sample (and per-call) block costs.
 
-    A frozen block runs forward only, a cached one not at all (its output is read from the cache into
-    stage 0); ``overhead_s`` is added to every forward and backward a stage runs.
+    A frozen block runs its frozen forward only (:attr:`BlockCost.frozen_forward`), a cached one not at all (its
+    output is read from the cache into stage 0); ``overhead_s`` is added to every forward and backward a stage runs.
     """
     validate_states(costs, states)
     active = BlockState.ACTIVE
@@ -335,7 +336,7 @@ def stage_works(
         rebuilt = max((costs[i].recompute_bytes for i in blocks if states[i] is active), default=0)
         gradient_out = start > 0 and states[start - 1] is active
         works.append(StageWork(
-            forward_s=sum(costs[i].seconds(micro_batch_size)[0] for i in run) + overhead_s,
+            forward_s=sum(block_forward_seconds(costs[i], states[i], micro_batch_size) for i in run) + overhead_s,
             backward_s=(sum(costs[i].seconds(micro_batch_size)[1] for i in blocks if states[i] is active)
                         + overhead_s) if trains else 0.0,
             activation_out_bytes=costs[end - 1].output_bytes * micro_batch_size if end < len(costs) else 0,
