@@ -149,6 +149,7 @@ class DPConfig:
     enabled: bool = False  # elastic: workers freed by pipeline compression become new replicas
     batch_policy: Literal["keep_global", "keep_per_pipeline"] = "keep_global"  # keep_per_pipeline: global batch and lr grow with the width (linear scaling)
     bucket_mib: float = 25.0  # gradients are all-reduced over a stage's replicas in buckets of this size (DDP's default)
+    touched_rows_only: bool = True  # vocabulary-sized embedding tables: all-reduce only the rows some replica's batch touched (exact)
 
 
 @dataclass

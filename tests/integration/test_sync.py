@@ -1,4 +1,5 @@
-"""GradientSync on 2 real gloo processes: bucketed, overlapped with backward, equal to a plain sum."""
+"""GradientSync on 2 real gloo processes: bucketed, overlapped with backward, tables by touched rows, equal to a plain
+sum."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pipetransformer.dp.sync import GradientSync
+from pipetransformer.dp.sync import GradientSync, row_summed_tables
 from process_group import free_port, join, leave
 
 pytestmark = pytest.mark.slow
@@ -63,3 +64,70 @@ def test_bucketed_sum_equals_plain_sum(tmp_path: Path, overlap: bool) -> None:
             assert saved["bytes"] == trainable_bytes, "frozen parameters were reduced, or some were not"
             for got, want in zip(saved["grads"], expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+VOCAB, WIDTH = 5000, 4
+"""A vocabulary-sized table (above TOUCHED_ROWS_MIN_ROWS) so its gradient is summed by touched rows."""
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(VOCAB, WIDTH, padding_idx=0)
+        self.positions = nn.Embedding(8, WIDTH)  # small: summed whole, in a bucket
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids) + self.positions(torch.arange(ids.shape[1])))
+
+
+def _ids(rank: int, step: int) -> torch.Tensor | None:
+    """Rank 0 and 1 share some rows and not others (and the padding row, whose gradient stays 0); rank 1 has no
+    samples at step 1 (an epoch's tail)."""
+    if rank == 1 and step == 1:
+        return None
+    generator = torch.Generator().manual_seed(10 * step + rank)
+    ids = torch.randint(1, 40, (3, 8), generator=generator) + 1000 * rank
+    ids[:, -1] = 0
+    return ids
+
+
+def _table_worker(rank: int, port: int, out: str, overlap: bool) -> None:
+    join(rank, WORLD, port)
+    model = _Tagger()
+    params = list(model.parameters())
+    sync = GradientSync(params, dist.group.WORLD, bucket_bytes=SMALL_BUCKET_BYTES, overlap=overlap,
+                        row_summed=row_summed_tables(model.modules(), params))
+    assert sync.row_summed == [model.table.weight]
+    for step in range(2):
+        ids = _ids(rank, step)
+        if ids is not None:
+            model(ids).square().sum().backward()
+        reduced = sync.synchronize()
+        torch.save({"grads": [p.grad.clone() for p in params], "bytes": reduced}, f"{out}/rank{rank}-step{step}.pt")
+        model.zero_grad(set_to_none=True)
+    sync.close()
+    leave()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_vocabulary_table_summed_by_touched_rows_equals_the_plain_sum(tmp_path: Path, overlap: bool) -> None:
+    mp.spawn(_table_worker, args=(free_port(), str(tmp_path), overlap), nprocs=WORLD, join=True)
+    model = _Tagger()
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for step in range(2):
+        expected = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(WORLD):
+            ids = _ids(rank, step)
+            if ids is None:
+                continue
+            model.zero_grad(set_to_none=True)
+            model(ids).square().sum().backward()
+            for total, p in zip(expected, model.parameters(), strict=True):
+                total += p.grad
+        for rank in range(WORLD):
+            saved = torch.load(tmp_path / f"rank{rank}-step{step}.pt", weights_only=True)
+            for got, want in zip(saved["grads"], expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            assert saved["bytes"] < dense_bytes / 10, "the table was reduced whole"

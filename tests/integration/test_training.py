@@ -53,6 +53,22 @@ def test_data_parallel_matches_single_process(tmp_path: Path) -> None:
     assert shards == whole and sum(shards) / len(shards) == summary(parallel)["test_accuracy"]
 
 
+def test_vocabulary_summed_by_touched_rows_trains_as_summed_whole(tmp_path: Path) -> None:
+    """tiny_text's 30,522-row token table on 2 replicas: all-reduced by the rows the batches touched, the run is
+    the run with the table all-reduced whole (same weights and Adam state), for a fraction of the bytes."""
+    runs = {}
+    for touched in (True, False):
+        runs[touched] = tmp_path / f"touched-{touched}"
+        run_job(TEXT, runs[touched], *SAVE, "train.max_steps=4", f"dp.touched_rows_only={str(touched).lower()}",
+                nproc=2)
+    assert_close_states(weights(runs[True]), weights(runs[False]), RTOL, ATOL)
+    assert_close_states(optimizer_state(runs[True]), optimizer_state(runs[False]), RTOL, ATOL)
+    table_bytes = 30_522 * 32 * 4
+    for by_rows, whole in zip(logged_records(runs[True], "step"), logged_records(runs[False], "step"), strict=True):
+        assert by_rows["loss"] == pytest.approx(whole["loss"], rel=RTOL)
+        assert whole["allreduce_bytes"] - by_rows["allreduce_bytes"] > 0.9 * table_bytes
+
+
 def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_path: Path) -> None:
     """The coherence policy's inputs, g_t . g_{t-1} per layer, assembled in the control vector from the stages
     that hold the layers (2-stage pipeline) or from replica 0 (data parallelism), equal one process's."""

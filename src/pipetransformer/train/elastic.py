@@ -20,7 +20,7 @@ from pipetransformer.config import BYTES_PER_MIB, DPConfig, PipeConfig
 from pipetransformer.data.sampler import ElasticSampler
 from pipetransformer.distributed import DistEnv, gather_floats, new_groups
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
-from pipetransformer.dp.sync import GradientSync
+from pipetransformer.dp.sync import GradientSync, row_summed_tables
 from pipetransformer.faults import maybe_fail
 from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.pipe.layout import transfer_plan
@@ -162,8 +162,9 @@ class ElasticLayout:
             return None
         stages = placement.plan.layout.num_stages
         # One backward per step only without a pipeline schedule: then buckets overlap backward.
+        row_summed = row_summed_tables(self.model.modules(), params) if self.dp.touched_rows_only else []
         sync = GradientSync(params, self.dp_group, bucket_bytes=int(self.dp.bucket_mib * BYTES_PER_MIB),
-                            overlap=stages == 1)
+                            overlap=stages == 1, row_summed=row_summed)
         if stages == 1:
             return LocalStep(self.context, placement.plan, sync)
         assert self.pipe_group is not None
