@@ -95,7 +95,7 @@ def main() -> None:
         + ", ".join(f"{r:.2f}x" for r in ratios) + "). Losses of every step "
         + ("identical in every repeat (the sum is exact)." if same_losses else "**differ** between the settings."),
     ])
-    (RUNS_DIR / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    (HERE / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))  # with the README
     replace_section(README, "sync", body, "# Gradient sync benchmark")
     replace_section(INDEX, "sync", body.replace("## ", "## sync: ", 1), INDEX_LINE)
     print(body)
