@@ -195,7 +195,8 @@ def predicted(costs: list[BlockCost], cluster: Cluster, config: Config, point: d
         cached = point["previous_cached"]
     settings = LeverSettings(memory_budget_bytes=float("inf"), schedule=config.pipe.schedule,
                              optimizer_state_factor=optimizer_state_factor(config.train.optimizer,
-                                                                           config.train.momentum))
+                                                                           config.train.momentum),
+                             touched_rows_only=config.dp.touched_rows_only)
     return simulate_layout(costs, cluster, settings, frozen_blocks=frozen_blocks, cached_blocks=cached,
                            bounds=[tuple(b) for b in layout["bounds"]], replicas=layout["dp_width"],
                            replica_batch=config.train.batch_size // layout["dp_width"],

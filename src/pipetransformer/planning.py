@@ -81,7 +81,7 @@ def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: 
                 frozen_blocks: int = 0, cached_blocks: int = 0) -> dict[str, Any]:
     plan = plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
                        frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                       precision=Precision(config.train.precision))
+                       precision=Precision(config.train.precision), touched_rows_only=config.dp.touched_rows_only)
     per_replica = max(1, config.train.batch_size // plan.layout.dp_width)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     return {
@@ -231,8 +231,9 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
         memory_budget_bytes=budget, schedule=config.pipe.schedule, micro_batches=micro_batches,
         precisions=(Precision.FP32, Precision.BF16) if "bf16" in levers else (Precision.FP32,),
         recompute="recompute" in levers, stage_counts=None if "stages" in levers else fixed_stages,
-        optimizer_state_factor=optimizer_state_factor(config.train.optimizer, config.train.momentum))
-    baseline = replace(settings, precisions=(Precision.FP32,), recompute=False,
+        optimizer_state_factor=optimizer_state_factor(config.train.optimizer, config.train.momentum),
+        touched_rows_only=config.dp.touched_rows_only)
+    baseline = replace(settings, precisions=(Precision.FP32,), recompute=False, touched_rows_only=False,  # as DDP
                        stage_counts=None if request.baseline_stages is None else (request.baseline_stages,),
                        micro_batches=request.baseline_micro_batches or micro_batches)
     epochs = request.epochs if request.epochs is not None else float(config.train.epochs)

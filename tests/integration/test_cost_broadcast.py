@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 COSTS = [
     BlockCost(forward_s=1.5e-4, backward_s=8e-5, output_bytes=98_816, param_bytes=47_665_152, activation_bytes=198_144,
-              forward_fixed_s=3.6e-4, backward_fixed_s=1.86e-2),
+              forward_fixed_s=3.6e-4, backward_fixed_s=1.86e-2, row_summed_bytes=46_881_792,
+              touched_row_bytes_per_sample=98_304),
     BlockCost(forward_s=2.8e-3, backward_s=4.5e-3, output_bytes=98_816, param_bytes=7_097_856,
               activation_bytes=2_360_320, recompute_bytes=2_000_000, forward_fixed_s=1.1e-3, backward_fixed_s=1.2e-3,
               frozen_forward_s=2.2e-3, frozen_forward_fixed_s=0.9e-3),
@@ -37,4 +38,5 @@ def test_every_field_of_rank_0s_costs_reaches_every_rank(tmp_path: Path) -> None
     for rank in range(WORLD):
         received = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert received == COSTS
-        assert all(isinstance(cost.param_bytes, int) for cost in received)
+        assert all(isinstance(cost.param_bytes, int) and isinstance(cost.touched_row_bytes_per_sample, int)
+                   for cost in received)

@@ -115,6 +115,16 @@ def test_a_frozen_block_costs_its_frozen_forward() -> None:
     assert unmeasured.frozen_forward == (1.0, 5.0) and unmeasured.frozen_seconds(4) == 9.0
 
 
+def test_a_vocabulary_table_is_all_reduced_by_the_rows_a_step_can_touch() -> None:
+    cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=1_000, activation_bytes=0,
+                     row_summed_bytes=900, touched_row_bytes_per_sample=20)
+    assert cost.allreduce_bytes(None) == (1_000, 0), "tables whole, as DDP"
+    assert cost.allreduce_bytes(8) == (100, 160)
+    assert cost.allreduce_bytes(100) == (100, 900), "never more rows than the table has"
+    plain = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=1_000, activation_bytes=0)
+    assert plain.allreduce_bytes(8) == (1_000, 0)
+
+
 def test_states_must_grow_from_the_bottom() -> None:
     validate_states(uniform(4), [C, F, A, A])
     with pytest.raises(ValueError, match="cached..., then frozen..., then active"):

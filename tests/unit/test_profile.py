@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipetransformer.dp.sync import TOUCHED_ROWS_MIN_ROWS
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.pipe.cost import BlockCost, analytic_costs
 from pipetransformer.pipe.profile import PROFILE_BATCH, per_sample_and_fixed, profile_blocks
@@ -98,6 +99,20 @@ def test_frozen_parameters_are_still_profiled_with_weight_gradients() -> None:
         p.requires_grad_(False)
     frozen = profile_blocks(model, inputs, warmup=0, repeats=1)
     assert [c.activation_bytes for c in frozen] == [c.activation_bytes for c in trainable]
+
+
+def test_profile_counts_the_rows_a_sample_can_touch_in_a_vocabulary_table() -> None:
+    vocab = TOUCHED_ROWS_MIN_ROWS + 1
+    embeddings = Embeddings()
+    embeddings.table = nn.Embedding(vocab, HIDDEN)
+    model, inputs = tiny_model()
+    model = BlockSequence(embeddings, list(model.blocks[1:-1]), model.blocks[-1], task="text")
+    costs = profile_blocks(model, inputs, warmup=0, repeats=1)
+    assert (costs[0].row_summed_bytes, costs[0].touched_row_bytes_per_sample) == (vocab * HIDDEN * FLOAT,
+                                                                                  SEQ * HIDDEN * FLOAT)
+    assert all(c.row_summed_bytes == c.touched_row_bytes_per_sample == 0 for c in costs[1:])
+    small, _ = tiny_model()  # a 50-row table: all-reduced whole
+    assert profile_blocks(small, inputs, warmup=0, repeats=1)[0].row_summed_bytes == 0
 
 
 def test_analytic_layer_parameters_match_torch() -> None:

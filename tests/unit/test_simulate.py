@@ -163,6 +163,18 @@ def test_stage_works_run_frozen_blocks_at_their_frozen_forward() -> None:
     assert (second.forward_s, second.backward_s) == (4 + 3, 8 + 5), "the active block's training forward"
 
 
+def test_touched_rows_are_summed_after_the_last_backward() -> None:
+    table = BlockCost(1.0, 2.0, 10, 1_000, 7, row_summed_bytes=900, touched_row_bytes_per_sample=20)
+    costs = [table, *COSTS[1:]]
+    whole, = stage_works(costs, [A] * 6, [(0, 6)], micro_batch_size=2, overhead_s=0.0,
+                         memory_bytes_per_s=math.inf, bucket_bytes=10**9)
+    assert whole.gradient_buckets == ((1_000 + 5 * 400, 1.0),)
+    by_rows, = stage_works(costs, [A] * 6, [(0, 6)], micro_batch_size=2, overhead_s=0.0,
+                           memory_bytes_per_s=math.inf, bucket_bytes=10**9, touched_rows_samples=4)
+    # the table leaves the bucket; the rows 4 samples touch follow it, once backward is done
+    assert by_rows.gradient_buckets == ((100 + 5 * 400, 1.0), (4 * 20, 1.0))
+
+
 def test_buckets_fill_from_the_last_block() -> None:
     works = stage_works(COSTS, [A] * 6, [(0, 6)], micro_batch_size=1, overhead_s=0.0, memory_bytes_per_s=math.inf,
                         bucket_bytes=800)

@@ -125,6 +125,9 @@ class BlockCost:
     ``frozen_forward_s`` and ``frozen_forward_fixed_s`` are the forward of the block frozen: in eval mode (no
     dropout) and recording no autograd graph, as the trainer runs frozen blocks; a MiniLM layer on one CPU thread
     took ~20% less than training it forward. None (analytic costs) counts the training forward.
+    ``row_summed_bytes`` are the bytes of the block's vocabulary tables, whose gradients replicas may sum by the rows
+    their batches touched (``dp.touched_rows_only``), and ``touched_row_bytes_per_sample`` the rows one sample's ids
+    can touch; analytic costs leave both 0 (every parameter all-reduced whole).
     """
 
     forward_s: float
@@ -137,6 +140,8 @@ class BlockCost:
     backward_fixed_s: float = 0.0
     frozen_forward_s: float | None = None
     frozen_forward_fixed_s: float | None = None
+    row_summed_bytes: int = 0
+    touched_row_bytes_per_sample: int = 0
 
     def seconds(self, samples: int) -> tuple[float, float]:
         """(forward, backward) seconds of one call on ``samples`` samples, training the block."""
@@ -153,6 +158,15 @@ class BlockCost:
         """Seconds of one frozen forward on ``samples`` samples."""
         per_sample, per_call = self.frozen_forward
         return per_sample * samples + per_call
+
+    def allreduce_bytes(self, touched_by: int | None) -> tuple[int, int]:
+        """(bytes all-reduced in buckets, bytes of touched table rows) a step: with ``touched_by`` None every
+        parameter goes whole into buckets; else tables are summed by the rows ``touched_by`` samples (the step's,
+        over every replica) can touch, at most the whole table."""
+        if touched_by is None or not self.row_summed_bytes:
+            return self.param_bytes, 0
+        rows = min(self.row_summed_bytes, self.touched_row_bytes_per_sample * touched_by)
+        return self.param_bytes - self.row_summed_bytes, rows
 
 
 @dataclass(frozen=True)

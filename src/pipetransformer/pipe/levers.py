@@ -74,7 +74,8 @@ class LeverSettings:
     ``stage_counts``: None for every divisor of
     the world size. ``overlap_pipelined_allreduce``: whether gradient buckets of a multi-stage pipeline
     start during the last backward (DDP's hooks around a whole pipeline do; this project's trainer
-    overlaps only without a pipeline, see ``pipetransformer.dp.sync``).
+    overlaps only without a pipeline, see ``pipetransformer.dp.sync``). ``touched_rows_only``: vocabulary tables
+    are all-reduced by the rows the step's samples touch (``dp.touched_rows_only``), not whole.
     """
 
     memory_budget_bytes: float
@@ -87,6 +88,7 @@ class LeverSettings:
     bucket_bytes: int = GRADIENT_BUCKET_BYTES
     overlap_pipelined_allreduce: bool = False
     max_micro_batch_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR
+    touched_rows_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,8 @@ def _simulate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Clu
     works = stage_works(_with_recomputation(costs, blocks), states, bounds, micro_batch_size=size,
                         overhead_s=cluster.micro_batch_overhead_s,
                         memory_bytes_per_s=cluster.device.memory_bytes_per_s, bucket_bytes=settings.bucket_bytes,
-                        optimizer_state_factor=settings.optimizer_state_factor)
+                        optimizer_state_factor=settings.optimizer_state_factor,
+                        touched_rows_samples=batch * replicas if settings.touched_rows_only else None)
     links = [cluster.link_between(s, s + 1) for s in range(stages - 1)]  # replica 0; the others alike
     sync = []
     for s in range(stages):

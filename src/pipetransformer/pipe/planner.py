@@ -81,7 +81,8 @@ def _budget_bytes(pipe: PipeConfig) -> int:
 
 def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, elastic: bool, batch_size: int,
                 frozen_blocks: int, cached_blocks: int, dp_width: int | None = None,
-                global_batch: Callable[[int], int] | None = None, precision: Precision = Precision.FP32) -> LayoutPlan:
+                global_batch: Callable[[int], int] | None = None, precision: Precision = Precision.FP32,
+                touched_rows_only: bool = True) -> LayoutPlan:
     """The layout for the current freeze state.
 
     ``pipe.stages: auto`` compresses to the fewest stages that fit ``pipe.device_memory_gb``. With ``elastic``
@@ -89,11 +90,13 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
     ``global_batch`` gives the global batch for a width (``dp.batch_policy``); default: ``batch_size``.
     With ``pipe.recompute`` the lever planner (:func:`.levers.choose_levers`) weighs stages against
-    recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in ``precision``.
+    recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in ``precision``, and
+    ``touched_rows_only`` (``dp.touched_rows_only``) says how replicas sum vocabulary tables.
     """
     if pipe.recompute:
         return _plan_with_levers(pipe, costs, world_size, batch_size=batch_size, frozen_blocks=frozen_blocks,
-                                 cached_blocks=cached_blocks, global_batch=global_batch, precision=precision)
+                                 cached_blocks=cached_blocks, global_batch=global_batch, precision=precision,
+                                 touched_rows_only=touched_rows_only)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(pipe.link_bandwidth_gbps * BYTES_PER_GB)
     budget = _budget_bytes(pipe)
@@ -167,7 +170,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
 
 def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, batch_size: int,
                       frozen_blocks: int, cached_blocks: int, global_batch: Callable[[int], int] | None,
-                      precision: Precision) -> LayoutPlan:
+                      precision: Precision, touched_rows_only: bool) -> LayoutPlan:
     """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
     config checks that AutoPipe is on and that the replicas are world / stages: AutoDP on, or the stages fixed)."""
     cluster = local_cluster(world_size, memory_gb=pipe.device_memory_gb,
@@ -177,7 +180,8 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
     stage_counts = None if pipe.stages == "auto" else (_fixed_stages(pipe, world_size),)
     settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
                              micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
-                             precisions=(precision,), recompute=True, stage_counts=stage_counts)
+                             precisions=(precision,), recompute=True, stage_counts=stage_counts,
+                             touched_rows_only=touched_rows_only)
 
     try:
         chosen = choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetransformer.dp.sync import row_summed_tables
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
@@ -124,6 +125,30 @@ def _time_frozen_forward(block: nn.Module, activation: Activation, warmup: int, 
     return statistics.median(times[warmup:])
 
 
+def _touched_row_bytes(block: nn.Module, activation: Activation, batch_size: int,
+                       compute_dtype: torch.dtype | None) -> tuple[int, int]:
+    """(bytes of the block's vocabulary tables, bytes of the rows one sample's ids can touch): what replicas
+    summing tables by touched rows (``dp.touched_rows_only``) all-reduce, read off one forward's ids."""
+    tables = row_summed_tables(block.modules(), list(block.parameters()))
+    modules = [m for m in block.modules() if isinstance(m, nn.Embedding) and any(m.weight is t for t in tables)]
+    if not modules:
+        return 0, 0
+    ids: dict[int, int] = {}
+
+    def count_ids(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        ids[id(module)] = ids.get(id(module), 0) + args[0].numel()
+
+    hooks = [module.register_forward_pre_hook(count_ids) for module in modules]
+    try:
+        with torch.no_grad():
+            run_blocks([block], activation, compute_dtype=compute_dtype)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_sample = sum(-(-ids.get(id(m), 0) // batch_size) * m.embedding_dim * m.weight.element_size() for m in modules)
+    return sum(m.weight.numel() * m.weight.element_size() for m in modules), per_sample
+
+
 def per_sample_and_fixed(small_s: float, large_s: float, small: int, large: int) -> tuple[float, float]:
     """(seconds per sample, seconds per call) of the line through ``small_s`` on ``small`` samples and ``large_s``
     on ``large``. The slope is kept within [0, large_s / large], so both parts are >= 0 and the line still gives
@@ -145,6 +170,7 @@ def _profile_block(
     forward_s, backward_s, output = _time_block(block, activation, warmup, repeats, needs_input_grad, compute_dtype,
                                                 saved)
     frozen_s = _time_frozen_forward(block, activation, warmup, repeats, compute_dtype)
+    table_bytes, touched_per_sample = _touched_row_bytes(block, activation, batch_size, compute_dtype)
     small = batch_size // SMALL_BATCH_DIVISOR
     if small >= 1:
         head = tuple(t[:small] for t in activation)
@@ -168,6 +194,8 @@ def _profile_block(
         backward_fixed_s=backward_fixed,
         frozen_forward_s=frozen_per_sample,
         frozen_forward_fixed_s=frozen_fixed,
+        row_summed_bytes=table_bytes,
+        touched_row_bytes_per_sample=touched_per_sample,
     )
     return cost, tuple(t.detach() for t in output)
 
@@ -245,6 +273,7 @@ def broadcast_costs(costs: list[BlockCost] | None, num_blocks: int) -> list[Bloc
     """Rank 0's ``costs`` (the other ranks pass None) on every rank of the default group, every field in one
     broadcast of a CPU tensor (the default group carries gloo for those), so every rank plans from the same numbers."""
     names = [field.name for field in fields(BlockCost)]
+    counts = {field.name for field in fields(BlockCost) if field.type == "int"}  # byte counts: exact in a float64
     table = torch.zeros(num_blocks, len(names), dtype=torch.float64)
     if costs is not None:
         table = torch.tensor([[math.nan if getattr(cost, name) is None else float(getattr(cost, name))
@@ -252,7 +281,7 @@ def broadcast_costs(costs: list[BlockCost] | None, num_blocks: int) -> list[Bloc
     dist.broadcast(table, src=0)
 
     def value(name: str, number: float) -> float | int | None:  # NaN stands for a field left None
-        return None if math.isnan(number) else int(number) if name.endswith("_bytes") else number
+        return None if math.isnan(number) else int(number) if name in counts else number
 
     return [BlockCost(**{name: value(name, number) for name, number in zip(names, row, strict=True)})  # type: ignore[arg-type]
             for row in table.tolist()]

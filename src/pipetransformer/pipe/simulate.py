@@ -304,11 +304,15 @@ def stage_works(
     memory_bytes_per_s: float,
     bucket_bytes: int,
     optimizer_state_factor: int = ADAMW_STATE_FACTOR,
+    touched_rows_samples: int | None = None,
 ) -> list[StageWork]:
     """Each stage's work for micro-batches of ``micro_batch_size`` from per-sample (and per-call) block costs.
 
     A frozen block runs its frozen forward only (:attr:`BlockCost.frozen_forward`), a cached one not at all (its
     output is read from the cache into stage 0); ``overhead_s`` is added to every forward and backward a stage runs.
+    With ``touched_rows_samples`` (the step's samples over every replica) vocabulary tables are summed by touched
+    rows after the last backward, as :class:`pipetransformer.dp.sync.GradientSync` does with
+    ``dp.touched_rows_only``; without it, whole in buckets.
     """
     validate_states(costs, states)
     active = BlockState.ACTIVE
@@ -319,15 +323,19 @@ def stage_works(
         run = [i for i in blocks if states[i] is not BlockState.CACHED]
         buckets: list[tuple[int, float]] = []
         total_backward = sum(costs[i].backward_s for i in blocks if states[i] is active)
-        done, size = 0.0, 0
+        done, size, touched_rows = 0.0, 0, 0
         for i in reversed(blocks):
             if states[i] is not active:
                 break
             done += costs[i].backward_s
-            size += costs[i].param_bytes
-            if size >= bucket_bytes or (i == start or states[i - 1] is not active):
+            bucketed, rows = costs[i].allreduce_bytes(touched_rows_samples)
+            size += bucketed
+            touched_rows += rows
+            if size and (size >= bucket_bytes or i == start or states[i - 1] is not active):
                 buckets.append((size, done / total_backward if total_backward > 0 else 1.0))
                 size = 0
+        if touched_rows:
+            buckets.append((touched_rows, 1.0))
         trainable_params = sum(costs[i].param_bytes for i in blocks if states[i] is active) // FLOAT_BYTES
         optimizer_bytes = optimizer_step_bytes(trainable_params, optimizer_state_factor)
         weights = sum(block_memory(costs[i], states[i], micro_batch_size=0,

@@ -110,7 +110,7 @@ class ElasticLayout:
         return plan_layout(self.pipe, self.costs(), self.env.world_size, elastic=self.dp.enabled,
                            batch_size=self.batch_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
                            dp_width=self.initial_width, global_batch=self.global_batch,
-                           precision=self.precision)
+                           precision=self.precision, touched_rows_only=self.dp.touched_rows_only)
 
     def global_batch(self, width: int | None = None) -> int:
         """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it
