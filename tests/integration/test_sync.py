@@ -79,7 +79,7 @@ class _Tagger(nn.Module):
         self.head = nn.Linear(WIDTH, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.table(ids) + self.positions(torch.arange(ids.shape[1])))
+        return self.head(self.table(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device)))
 
 
 def _ids(rank: int, step: int) -> torch.Tensor | None:
@@ -93,9 +93,12 @@ def _ids(rank: int, step: int) -> torch.Tensor | None:
     return ids
 
 
-def _table_worker(rank: int, port: int, out: str, overlap: bool) -> None:
-    join(rank, WORLD, port)
-    model = _Tagger()
+def _table_worker(rank: int, port: int, out: str, overlap: bool, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    join(rank, WORLD, port, backend="nccl" if device.type == "cuda" else "gloo")
+    model = _Tagger().to(device)
     params = list(model.parameters())
     sync = GradientSync(params, dist.group.WORLD, bucket_bytes=SMALL_BUCKET_BYTES, overlap=overlap,
                         row_summed=row_summed_tables(model.modules(), params))
@@ -103,17 +106,19 @@ def _table_worker(rank: int, port: int, out: str, overlap: bool) -> None:
     for step in range(2):
         ids = _ids(rank, step)
         if ids is not None:
-            model(ids).square().sum().backward()
+            model(ids.to(device)).square().sum().backward()
         reduced = sync.synchronize()
-        torch.save({"grads": [p.grad.clone() for p in params], "bytes": reduced}, f"{out}/rank{rank}-step{step}.pt")
+        torch.save({"grads": [p.grad.cpu() for p in params], "bytes": reduced}, f"{out}/rank{rank}-step{step}.pt")
         model.zero_grad(set_to_none=True)
     sync.close()
     leave()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_vocabulary_table_summed_by_touched_rows_equals_the_plain_sum(tmp_path: Path, overlap: bool) -> None:
-    mp.spawn(_table_worker, args=(free_port(), str(tmp_path), overlap), nprocs=WORLD, join=True)
+@pytest.mark.parametrize(("overlap", "device_type"), [
+    (False, "cpu"), (True, "cpu"), pytest.param(True, "cuda", marks=pytest.mark.cuda(devices=WORLD))])
+def test_a_vocabulary_table_summed_by_touched_rows_equals_the_plain_sum(tmp_path: Path, overlap: bool,
+                                                                         device_type: str) -> None:
+    mp.spawn(_table_worker, args=(free_port(), str(tmp_path), overlap, device_type), nprocs=WORLD, join=True)
     model = _Tagger()
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for step in range(2):
