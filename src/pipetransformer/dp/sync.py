@@ -24,7 +24,8 @@ from torch import nn
 
 from pipetransformer.config import BYTES_PER_MIB, DPConfig
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "TOUCHED_ROWS_MIN_ROWS", "GradientSync", "row_summed_tables"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "TOUCHED_ROWS_MIN_ROWS", "GradientSync", "row_summed_tables",
+           "vocabulary_tables"]
 
 DEFAULT_BUCKET_BYTES = int(DPConfig().bucket_mib * BYTES_PER_MIB)
 """``dp.bucket_mib``'s default, DDP's bucket size."""
@@ -34,12 +35,17 @@ TOUCHED_ROWS_MIN_ROWS = 4096
 not the position and token-type tables, which a batch mostly touches and which are small."""
 
 
+def vocabulary_tables(modules: Iterable[nn.Module]) -> list[nn.Embedding]:
+    """The ``nn.Embedding`` modules with at least :data:`TOUCHED_ROWS_MIN_ROWS` rows and a dense gradient
+    (``sparse=True`` tables are not used by the models here)."""
+    return [m for m in modules
+            if isinstance(m, nn.Embedding) and not m.sparse and m.num_embeddings >= TOUCHED_ROWS_MIN_ROWS]
+
+
 def row_summed_tables(modules: Iterable[nn.Module], params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    """The weights among ``params`` of the ``nn.Embedding`` modules with at least :data:`TOUCHED_ROWS_MIN_ROWS` rows
-    (a dense gradient: ``sparse=True`` tables are not used by the models here)."""
+    """The weights among ``params`` of the :func:`vocabulary_tables` in ``modules``."""
     held = {id(p) for p in params}
-    return [m.weight for m in modules if isinstance(m, nn.Embedding) and not m.sparse
-            and m.num_embeddings >= TOUCHED_ROWS_MIN_ROWS and id(m.weight) in held]
+    return [m.weight for m in vocabulary_tables(modules) if id(m.weight) in held]
 
 
 class GradientSync:
@@ -142,8 +148,9 @@ class GradientSync:
         rows = torch.cat(gathered)
         rows = torch.unique(rows[rows >= 0])  # sorted: the same order on every replica
         values = grad.index_select(0, rows)
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
-        grad.index_copy_(0, rows, values)
+        if rows.numel():  # the same union everywhere: every replica skips alike
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            grad.index_copy_(0, rows, values)
         param.grad = grad
         return values.numel() * values.element_size() + longest * size * padded.element_size()
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetransformer.dp.sync import row_summed_tables
+from pipetransformer.dp.sync import vocabulary_tables
 from pipetransformer.models.blocks import Activation, BlockSequence, as_activation, run_blocks
 from pipetransformer.pipe.cost import BlockCost, BlockWork, analytic_work, costs_from_work
 
@@ -129,8 +129,7 @@ def _touched_row_bytes(block: nn.Module, activation: Activation, batch_size: int
                        compute_dtype: torch.dtype | None) -> tuple[int, int]:
     """(bytes of the block's vocabulary tables, bytes of the rows one sample's ids can touch): what replicas
     summing tables by touched rows (``dp.touched_rows_only``) all-reduce, read off one forward's ids."""
-    tables = row_summed_tables(block.modules(), list(block.parameters()))
-    modules = [m for m in block.modules() if isinstance(m, nn.Embedding) and any(m.weight is t for t in tables)]
+    modules = vocabulary_tables(block.modules())
     if not modules:
         return 0, 0
     ids: dict[int, int] = {}

@@ -161,8 +161,8 @@ class ElasticLayout:
         if placement.stage is None:
             return None
         stages = placement.plan.layout.num_stages
-        # One backward per step only without a pipeline schedule: then buckets overlap backward.
         row_summed = row_summed_tables(self.model.modules(), params) if self.dp.touched_rows_only else []
+        # One backward per step only without a pipeline schedule: then buckets overlap backward.
         sync = GradientSync(params, self.dp_group, bucket_bytes=int(self.dp.bucket_mib * BYTES_PER_MIB),
                             overlap=stages == 1, row_summed=row_summed)
         if stages == 1:
