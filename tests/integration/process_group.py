@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,5 +26,12 @@ def join(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
 
 
 def leave() -> None:
-    dist.barrier()  # no rank tears gloo down while a peer's point-to-point work is in flight
-    dist.destroy_process_group()
+    """The worker's last call: a barrier (every peer is done with its collectives and point-to-point work), then the
+    process ends without tearing gloo down. The teardown (``destroy_process_group``, or the interpreter's exit)
+    aborted a worker now and then right after point-to-point transfers, barrier or not: "terminate called without an
+    active exception", SIGABRT, once in about four full-suite runs (test_handover, 2026-11-24 and -26). What a test
+    checks is written to its files before this call."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
