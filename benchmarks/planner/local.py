@@ -128,7 +128,7 @@ def _optimizer_bytes_per_s(config: Config) -> float:
     """The memory speed of the trainer's optimizer phase on this model's parameters (clipping, the update, clearing the
     gradients: :class:`HeldOptimizer` as the trainer builds it) with one worker's threads, as the simulator counts
     its bytes."""
-    from pipetransformer.distributed import worker_threads
+    from pipetransformer.distributed import threads_of_one_worker
     from pipetransformer.models import build_model
     from pipetransformer.train.optimizer import HeldOptimizer
 
@@ -137,17 +137,13 @@ def _optimizer_bytes_per_s(config: Config) -> float:
     optimizer.rebuild((0, len(model)), {})
     params = optimizer.params
     times = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(worker_threads(config.dist, NPROC))
-    try:
+    with threads_of_one_worker(config.dist, NPROC):
         for _ in range(OPTIMIZER_REPEATS + 1):  # the first creates the state
             for p in params:
                 p.grad = torch.randn_like(p)
             started = time.perf_counter()
             optimizer.step(config.train.lr, total_grad_norm=UNCLIPPED_NORM_FACTOR * (config.train.grad_clip or 1.0))
             times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
     count = sum(p.numel() for p in params)
     factor = optimizer_state_factor(config.train.optimizer, config.train.momentum)
     return optimizer_step_bytes(count, factor) / statistics.median(times[1:])

@@ -29,7 +29,6 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     markdown_table,
     replace_section,
     run_training,
-    settled_step_s,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -64,7 +63,7 @@ def main() -> None:
         records = _steps(Path(result.run_dir))
         settled = [r for r in records if r["step"] > SETTLED_AFTER_STEPS]
         results[name].append({
-            "repeat": repeat, "step_s": settled_step_s(Path(result.run_dir)), "load_mean": result.load_mean,
+            "repeat": repeat, "step_s": statistics.median(r["step_s"] for r in settled), "load_mean": result.load_mean,
             "phases": {p: statistics.median(r.get(p, 0.0) for r in settled) for p in PHASES},
             "allreduce_bytes": statistics.median(r["allreduce_bytes"] for r in settled),
             "losses": [r["loss"] for r in records]})
@@ -95,7 +94,8 @@ def main() -> None:
         + ", ".join(f"{r:.2f}x" for r in ratios) + "). Losses of every step "
         + ("identical in every repeat (the sum is exact)." if same_losses else "**differ** between the settings."),
     ])
-    (HERE / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))  # with the README
+    # kept with the README
+    (HERE / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     replace_section(README, "sync", body, "# Gradient sync benchmark")
     replace_section(INDEX, "sync", body.replace("## ", "## sync: ", 1), INDEX_LINE)
     print(body)

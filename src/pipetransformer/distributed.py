@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,7 +15,8 @@ import torch.distributed as dist
 from pipetransformer.config import DistConfig
 
 __all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
-           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "worker_threads"]
+           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "threads_of_one_worker",
+           "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,18 @@ def _resolve_device(config: DistConfig, local_rank: int) -> torch.device:
 def worker_threads(config: DistConfig, local_world_size: int) -> int:
     """Torch threads of one worker: ``dist.threads_per_worker``, else this machine's cores shared by its workers."""
     return config.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+@contextmanager
+def threads_of_one_worker(config: DistConfig, local_world_size: int) -> Iterator[None]:
+    """Run torch with the threads one of ``local_world_size`` workers gets (:func:`worker_threads`), then restore:
+    what this process measures is then what a worker of the run will see."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(worker_threads(config, local_world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def init_distributed(config: DistConfig) -> DistEnv:

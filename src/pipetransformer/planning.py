@@ -62,18 +62,12 @@ def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost],
     """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model,
     measured with the threads one of ``local_workers`` workers on this machine gets: a block on 2 threads runs
     faster per sample than on the 1 a worker of two has, and the plan would be for a machine the run is not."""
-    import torch
-
-    from pipetransformer.distributed import worker_threads
+    from pipetransformer.distributed import threads_of_one_worker
     from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
     model, inputs, num_classes = _model_and_batch(config)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(worker_threads(config.dist, local_workers))
-    try:
+    with threads_of_one_worker(config.dist, local_workers):
         costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
-    finally:
-        torch.set_num_threads(threads)
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
 
 
