@@ -35,8 +35,8 @@ from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_ti
 from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
 from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
-__all__ = ["ClusterPlanRequest", "cluster_plan_command", "cluster_run_plan", "plan_command", "plan_report",
-           "profiled_costs"]
+__all__ = ["ClusterPlanRequest", "check_initial_layout_fits", "cluster_plan_command", "cluster_run_plan",
+           "plan_command", "plan_report", "profiled_costs"]
 
 
 def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
@@ -69,6 +69,26 @@ def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost],
     with threads_of_one_worker(config.dist, local_workers):
         costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
+
+
+def check_initial_layout_fits(config: Config, world_size: int) -> None:
+    """Raise the trainer's :class:`~pipetransformer.pipe.partition.PartitionError` before any worker starts when no
+    layout of the untrained model fits ``pipe.device_memory_gb`` on ``world_size`` workers.
+
+    Whether a layout fits reads only the blocks' bytes (parameters, saved activations, outputs), which one
+    untimed-repeat profile of the example batch measures as the workers' full profile does; the times it also
+    takes are not used. Freezing only frees memory, so the layout at the start is the one that must fit.
+    """
+    from pipetransformer.pipe.profile import estimate_block_costs, profile_blocks
+
+    if not config.pipe.enabled or config.pipe.device_memory_gb is None:
+        return
+    model, inputs, num_classes = _model_and_batch(config)
+    costs = (profile_blocks(model, inputs, warmup=0, repeats=1) if config.pipe.profile
+             else estimate_block_costs(model, inputs, num_classes=num_classes, measure=False))
+    plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
+                frozen_blocks=0, cached_blocks=0, precision=Precision(config.train.precision),
+                touched_rows_only=config.dp.touched_rows_only)
 
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],

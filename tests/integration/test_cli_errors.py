@@ -98,3 +98,14 @@ def test_bad_input_gives_one_line_error_and_keeps_the_run_directory(name: str, t
     assert (run_dir / NOTES).read_text() == files[NOTES]
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(files)
     assert {f: (run_dir / f).read_text() for f in files} == files
+
+
+def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    """The launcher measures the blocks' bytes itself, so workers that would only find no layout fits never start:
+    they would create the run directory and fail in torchrun's agent."""
+    run_dir = tmp_path / "never-created"
+    case = Case((TINY_VIT, *PIPE_ON, *TINY_BUDGET, "--nproc-per-node", "2"), ("pipe.device_memory_gb", "2 workers"))
+    result = _run(case, tmp_path, run_dir)
+    _assert_clean_error(result, case.names)
+    assert not run_dir.exists()
+    assert "elastic" not in result.stdout + result.stderr  # torchrun's agent logs every worker failure

@@ -23,12 +23,12 @@ from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, BlockCost, BlockState,
 from pipetransformer.pipe.layout import valid_stage_counts
 from pipetransformer.pipe.partition import (
     DEFAULT_MAX_MICRO_BATCH_FACTOR,
-    GIB,
     Partition,
     PartitionError,
     micro_batch_candidates,
     partition,
     predict_step_time,
+    readable_bytes,
 )
 from pipetransformer.pipe.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
 
@@ -47,14 +47,6 @@ GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 """The trainer's gradient bucket (``pipetransformer.dp.sync.DEFAULT_BUCKET_BYTES``, DDP's default)."""
 
 INTER_NODE = "inter-node network"
-
-
-MIB = 1024**2
-
-
-def _size(num_bytes: float) -> str:
-    """Bytes in GiB, or in MiB below one GiB, so small budgets do not print as 0.00."""
-    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
 
 
 class NoLayoutError(PartitionError):
@@ -231,7 +223,7 @@ class _NoFit(Exception):
     def reason(self) -> str:
         saver = f" even recomputing all {self.recomputing} eligible blocks" if self.recomputing else ""
         needed = self.error.needed_bytes
-        return f"does not fit{saver}" + ("" if needed is None else f": needs {_size(needed)} per device")
+        return f"does not fit{saver}" + ("" if needed is None else f": needs {readable_bytes(needed)} per device")
 
 
 def simulate_layout(costs: Sequence[BlockCost], cluster: Cluster, settings: LeverSettings, *, frozen_blocks: int,
@@ -290,7 +282,7 @@ def _candidate(costs: Sequence[BlockCost], states: list[BlockState], cluster: Cl
                            part.bounds)
     candidate = Candidate(stages, replicas, precision, blocks, micro_batches, batch, part, simulation)
     if candidate.peak_memory_bytes > settings.memory_budget_bytes:
-        return replace(candidate, reason=f"holds {_size(candidate.peak_memory_bytes)} on its fullest device "
+        return replace(candidate, reason=f"holds {readable_bytes(candidate.peak_memory_bytes)} on its fullest device "
                                          "in the simulated schedule, over the budget")
     return candidate
 
@@ -332,8 +324,9 @@ def choose_levers(
         reasons = "; ".join(f"{c.label()}: {c.reason}" for c in candidates) or "no stage count divides the world"
         remedies = ["raise the memory budget", *([] if settings.recompute else ["allow recomputation"]),
                     *([] if Precision.BF16 in settings.precisions else ["allow bf16"]), "use more devices"]
-        raise NoLayoutError(f"nothing fits {_size(settings.memory_budget_bytes)} per device with {frozen_blocks} "
-                            f"frozen blocks: {reasons}; {', '.join(remedies[:-1])} or {remedies[-1]}", reasons)
+        raise NoLayoutError(f"nothing fits {readable_bytes(settings.memory_budget_bytes)} per device with "
+                            f"{frozen_blocks} frozen blocks: {reasons}; {', '.join(remedies[:-1])} or {remedies[-1]}",
+                            reasons)
     chosen = max(fitting, key=lambda c: (c.samples_per_s, -len(c.recomputed), c.precision is Precision.FP32,
                                          -c.stages))
     rejected = []

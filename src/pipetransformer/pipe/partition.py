@@ -41,7 +41,18 @@ DEFAULT_MAX_MICRO_BATCH_FACTOR = 8
 """At M = 8K micro-batches the bubble is under 1/9 of a step; beyond, mostly per-message overhead grows."""
 
 GIB = 1024**3
+MIB = 1024**2
 """Bytes per GiB, for error messages people can read."""
+
+
+def readable_bytes(num_bytes: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB, so small budgets do not print as 0.00."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 stage``, ``2 stages``: error messages name counts a user typed."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 class PartitionError(ValueError):
@@ -180,8 +191,9 @@ def partition(
     if math.isinf(bottleneck):
         needed, _ = _min_max_split(first, last, num_stages, lambda s, e: float(memories[(s, e)]))
         raise PartitionError(
-            f"no split of blocks {first}..{last - 1} into {num_stages} stages fits memory_budget_bytes="
-            f"{memory_budget_bytes}; it needs at least {int(needed)} bytes ({needed / GIB:.2f} GiB): raise the budget, "
+            f"no split of blocks {first}..{last - 1} into {counted(num_stages, 'stage')} fits "
+            f"{int(memory_budget_bytes)} bytes ({readable_bytes(memory_budget_bytes)}); "
+            f"it needs at least {int(needed)} bytes ({readable_bytes(needed)}): raise the budget, "
             f"use more stages, a smaller micro-batch, or freeze/cache more blocks",
             needed_bytes=needed,
         )
@@ -241,7 +253,7 @@ def compress(
     except PartitionError as error:
         raise PartitionError(
             f"no stage count dividing world_size={world_size} ({', '.join(map(str, counts))}) fits; "
-            f"with {counts[-1]} stages: {error}"
+            f"with {counted(counts[-1], 'stage')}: {error}"
         ) from error
 
 

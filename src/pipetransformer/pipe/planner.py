@@ -17,8 +17,8 @@ from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
 from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
 from pipetransformer.pipe.levers import LeverSettings, NoLayoutError, choose_levers
 from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
-                                            choose_partition_and_micro_batches, compress, micro_batch_candidates,
-                                            partition)
+                                            choose_partition_and_micro_batches, compress, counted,
+                                            micro_batch_candidates, partition)
 
 __all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
 
@@ -142,7 +142,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
                             in_flight_micro_batches=lambda k: held_activations(k)[1])
         except PartitionError as error:
             raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for "
-                                 f"{ranks} workers: {error}") from None
+                                 f"{counted(ranks, 'worker')}: {error}") from None
         stages = part.num_stages
     else:
         stages = _fixed_stages(pipe, world_size)
@@ -188,8 +188,8 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
                                replica_batch=lambda replicas: _replica_batch(replicas, batch_size, global_batch),
                                settings=settings).chosen
     except NoLayoutError as error:
-        raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for {world_size} "
-                             f"workers: {error}") from None
+        raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for "
+                             f"{counted(world_size, 'worker')}: {error}") from None
     assert chosen.partition is not None
     return LayoutPlan(Layout(chosen.stages, chosen.replicas), chosen.partition, max(1, chosen.micro_batches),
                       cached_blocks, frozen_blocks, chosen.recomputed)
