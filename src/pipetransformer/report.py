@@ -370,12 +370,15 @@ def _run_section(run: Run, label: str) -> list[str]:
         ["world size", s.get("world_size", "n/a")],
         ["steps", s.get("steps", "n/a")],
         ["train samples", s.get("train_samples", "n/a")],
-        [f"final eval {metric}", _number(s.get(f"eval_{metric}"), ACCURACY_DIGITS)],
-        [f"best eval {metric}", _number(s.get(f"best_eval_{metric}"), ACCURACY_DIGITS)],
+        [f"final validation {metric}", _number(s.get(f"eval_{metric}"), ACCURACY_DIGITS)],
+        [f"best validation {metric}", _number(s.get(f"best_eval_{metric}"), ACCURACY_DIGITS)],
+        [f"test {metric} (final model)", _number(s.get(f"test_{metric}"), ACCURACY_DIGITS)],
+        [f"test {metric} at best validation", _number(s.get(f"test_{metric}_at_best_validation"), ACCURACY_DIGITS)],
         ["wall time (s)", _number(s.get("wall_time_s"), SECONDS_DIGITS)],
         ["samples/s", _number(s.get("samples_per_s"), RATE_DIGITS)],
         ["layout transitions", f"{len(transitions)} ({_number(moved_s, SECONDS_DIGITS)} s in total)"],
         ["freeze decisions", len(decisions)],
+        ["freeze outcome", s.get("freeze_outcome", "n/a")],
     ])
     if transitions:
         lines += ["Layout transitions (after the given step):", ""]
@@ -432,7 +435,7 @@ def _comparison_section(runs: Sequence[Run], labels: Sequence[str]) -> list[str]
                      _paired_test_cell(run, runs[0])])
     metrics = " / ".join(sorted({eval_metric(run.evals) for run in runs}))
     lines += _table(["run", "wall time (s)", "speed-up", "samples/s", "samples/s ratio", "train samples",
-                     f"final {metrics}", "test vs baseline (± test-set SE)"], rows)
+                     f"final validation {metrics}", "test vs baseline (± test-set SE)"], rows)
     if len({run.summary.get("train_samples") for run in runs}) > 1:
         lines += ["Note: the runs trained on different numbers of samples, so their wall times do not measure the "
                   "same work; compare the samples/s ratio instead.", ""]

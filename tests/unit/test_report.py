@@ -96,8 +96,10 @@ def test_report_of_a_real_run_matches_its_summary(real_run: Path) -> None:
     assert _row(markdown, "config name") == "tiny_vit"
     assert _row(markdown, "automations") == "freeze (schedule), pipe (gpipe), dp, cache"
     assert _row(markdown, "world size") == str(summary["world_size"]) == "2"
-    assert _row(markdown, "final eval accuracy") == f"{summary['eval_accuracy']:.4f}"
-    assert _row(markdown, "best eval accuracy") == f"{summary['best_eval_accuracy']:.4f}"
+    assert _row(markdown, "final validation accuracy") == f"{summary['eval_accuracy']:.4f}"
+    assert _row(markdown, "best validation accuracy") == f"{summary['best_eval_accuracy']:.4f}"
+    assert _row(markdown, "test accuracy (final model)") == f"{summary['test_accuracy']:.4f}"
+    assert _row(markdown, "freeze outcome") == summary["freeze_outcome"]
     assert _row(markdown, "wall time (s)") == f"{summary['wall_time_s']:.3f}"
     assert _row(markdown, "samples/s") == f"{summary['samples_per_s']:.2f}"
     [transition] = summary["transitions"]
