@@ -195,10 +195,9 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
     if args.nproc_per_node > 1 and not _under_torchrun():
         from pipetransformer.distributed import worker_threads
-        from pipetransformer.planning import check_initial_layout_fits
+        from pipetransformer.planning import check_before_workers
 
-        if config.checkpoint.resume is None:  # a checkpoint may hold frozen layers, which need less memory
-            check_initial_layout_fits(config, args.nproc_per_node)
+        check_before_workers(config, args.nproc_per_node)
 
         return _launch_local(args, overrides, worker_threads(config.dist, args.nproc_per_node))
     from pipetransformer.train import train

@@ -16,7 +16,7 @@ from pipetransformer.config import DistConfig
 
 __all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
            "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "threads_of_one_worker",
-           "worker_threads"]
+           "wants_cuda", "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,13 @@ class DistEnv:
         return self.world_size > 1
 
 
+def wants_cuda(config: DistConfig) -> bool:
+    """Whether workers will run on CUDA devices (``dist.device``: cuda, or auto with one visible)."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
 def _resolve_device(config: DistConfig, local_rank: int) -> torch.device:
-    wants_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if wants_cuda:
+    if wants_cuda(config):
         if not torch.cuda.is_available():
             raise RuntimeError("dist.device=cuda but no CUDA device is visible: set dist.device: cpu")
         torch.cuda.set_device(local_rank)

@@ -35,27 +35,21 @@ from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_ti
 from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
 from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
-__all__ = ["ClusterPlanRequest", "check_initial_layout_fits", "cluster_plan_command", "cluster_run_plan",
+__all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command", "cluster_run_plan",
            "plan_command", "plan_report", "profiled_costs"]
 
 
 def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
-    """The config's model (blocks), one example batch, and its class count: what profiling runs on."""
-    from pipetransformer.data import datasets_from_config
-    from pipetransformer.models import build_model, load_tokenizer, minilm_path
-    from pipetransformer.pipe.profile import PROFILE_BATCH
-    from pipetransformer.train.build import COMPUTE_DTYPES
+    """The config's model (blocks, on the CPU), one example batch, and its class count: what profiling runs on.
+    Data and models the trainer would refuse raise the trainer's :class:`ConfigError`."""
+    import torch
 
-    tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
-    train = datasets_from_config(replace(config.data, max_train_samples=PROFILE_BATCH), tokenizer).train
-    model = build_model(config.model.kind, num_labels=train.num_classes, path=config.model.path,
-                        hf_config=config.model.hf_config, pooling=config.model.pooling,
-                        vit=dict(config.model.vit) if config.model.kind == "vit" else None,
-                        attn_implementation=config.model.attn_implementation)
-    model.compute_dtype = COMPUTE_DTYPES[config.train.precision]  # profiled as it will train
-    pad = config.data.max_length if train.task == "text" else None
-    inputs = train.get_batch(list(range(min(PROFILE_BATCH, len(train)))), pad_to=pad).inputs
-    return model, inputs, train.num_classes
+    from pipetransformer.pipe.profile import PROFILE_BATCH
+    from pipetransformer.train.build import build_blocks, example_inputs, read_splits
+
+    train = read_splits(replace(config, data=replace(config.data, max_train_samples=PROFILE_BATCH))).train
+    model = build_blocks(config, train.num_classes, torch.device("cpu"))  # profiled as it will train
+    return model, example_inputs(train, config.data.max_length, torch.device("cpu"), PROFILE_BATCH), train.num_classes
 
 
 def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
@@ -71,19 +65,26 @@ def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost],
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
 
 
-def check_initial_layout_fits(config: Config, world_size: int) -> None:
-    """Raise the trainer's :class:`~pipetransformer.pipe.partition.PartitionError` before any worker starts when no
-    layout of the untrained model fits ``pipe.device_memory_gb`` on ``world_size`` workers.
+def check_before_workers(config: Config, world_size: int) -> None:
+    """Raise, before any worker starts, the errors the workers would meet first: data that cannot be read, a
+    model that cannot be split into blocks, and (with ``pipe.device_memory_gb``) no layout of the untrained model
+    fitting the budget on ``world_size`` workers (the trainer's
+    :class:`~pipetransformer.pipe.partition.PartitionError`).
 
     Whether a layout fits reads only the blocks' bytes (parameters, saved activations, outputs), which one
-    untimed-repeat profile of the example batch measures as the workers' full profile does; the times it also
-    takes are not used. Freezing only frees memory, so the layout at the start is the one that must fit.
+    untimed-repeat profile of the example batch measures as the workers' full profile does. Freezing only frees
+    memory, so the layout at the start is the one that must fit; a run resuming from a checkpoint, which may hold
+    frozen layers, is not checked for it, nor is a CUDA run, whose kernels save other activations than the CPU's
+    (the launcher keeps off the devices its workers will use).
     """
     from pipetransformer.pipe.profile import estimate_block_costs, profile_blocks
 
-    if not config.pipe.enabled or config.pipe.device_memory_gb is None:
-        return
+    from pipetransformer.distributed import wants_cuda
+
     model, inputs, num_classes = _model_and_batch(config)
+    if (not config.pipe.enabled or config.pipe.device_memory_gb is None or config.checkpoint.resume is not None
+            or wants_cuda(config.dist)):
+        return
     costs = (profile_blocks(model, inputs, warmup=0, repeats=1) if config.pipe.profile
              else estimate_block_costs(model, inputs, num_classes=num_classes, measure=False))
     plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,

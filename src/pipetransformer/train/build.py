@@ -42,15 +42,20 @@ def resolve_run_dir(settings: RunConfig, env: DistEnv) -> Path:
     return run_dir
 
 
-def load_splits(config: Config, env: DistEnv) -> DataSplits[IndexedDataset]:
-    """Train, validation and test. The validation split serves every evaluation during training; the test split
-    is evaluated once, at the end: nothing during training (steps, freeze decisions, evaluations) reads it."""
+def read_splits(config: Config) -> DataSplits[IndexedDataset]:
+    """The config's train, validation and test splits; a loader's complaint becomes a :class:`ConfigError`."""
     # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     try:
-        splits = datasets_from_config(config.data, tokenizer)
+        return datasets_from_config(config.data, tokenizer)
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
+
+
+def load_splits(config: Config, env: DistEnv) -> DataSplits[IndexedDataset]:
+    """Train, validation and test. The validation split serves every evaluation during training; the test split
+    is evaluated once, at the end: nothing during training (steps, freeze decisions, evaluations) reads it."""
+    splits = read_splits(config)
     for warning in small_split_warnings(splits) if env.is_main else []:
         logger.warning(warning)
     return splits
