@@ -39,27 +39,28 @@ __all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command",
            "plan_command", "plan_report", "profiled_costs"]
 
 
-def _model_and_batch(config: Config) -> tuple[Any, tuple[Any, ...], int]:
-    """The config's model (blocks, on the CPU), one example batch, and its class count: what profiling runs on.
-    Data and models the trainer would refuse raise the trainer's :class:`ConfigError`."""
+def _model_and_batch(config: Config, device: str = "cpu") -> tuple[Any, tuple[Any, ...], int]:
+    """The config's model (blocks, on ``device``), one example batch there, and its class count: what profiling
+    runs on. Data and models the trainer would refuse raise the trainer's :class:`ConfigError`."""
     import torch
 
     from pipetransformer.pipe.profile import PROFILE_BATCH
     from pipetransformer.train.build import build_blocks, example_inputs, read_splits
 
     train = read_splits(replace(config, data=replace(config.data, max_train_samples=PROFILE_BATCH))).train
-    model = build_blocks(config, train.num_classes, torch.device("cpu"))  # profiled as it will train
-    return model, example_inputs(train, config.data.max_length, torch.device("cpu"), PROFILE_BATCH), train.num_classes
+    model = build_blocks(config, train.num_classes, torch.device(device))  # profiled as it will train
+    return model, example_inputs(train, config.data.max_length, torch.device(device), PROFILE_BATCH), train.num_classes
 
 
 def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost], list[BlockWork], list[str]]:
     """Measured (or, with ``pipe.profile: false``, estimated) costs and the analytic work of the config's model,
     measured with the threads one of ``local_workers`` workers on this machine gets: a block on 2 threads runs
-    faster per sample than on the 1 a worker of two has, and the plan would be for a machine the run is not."""
-    from pipetransformer.distributed import threads_of_one_worker
+    faster per sample than on the 1 a worker of two has, and the plan would be for a machine the run is not.
+    On the device the workers will use (the first CUDA device when ``dist.device`` resolves to cuda), as they do."""
+    from pipetransformer.distributed import threads_of_one_worker, wants_cuda
     from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
-    model, inputs, num_classes = _model_and_batch(config)
+    model, inputs, num_classes = _model_and_batch(config, "cuda:0" if wants_cuda(config.dist) else "cpu")
     with threads_of_one_worker(config.dist, local_workers):
         costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
