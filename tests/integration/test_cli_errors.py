@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VIT = str(ROOT / "configs" / "tiny_vit.yaml")
@@ -113,3 +114,12 @@ def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(tmp_
     _assert_clean_error(result, case.names)
     assert not run_dir.exists()
     assert "elastic" not in result.stdout + result.stderr  # torchrun's agent logs every worker failure
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
+def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "never-created"
+    case = Case((TINY_VIT, "--set", "dist.device=cuda", "--nproc-per-node", "2"), ("dist.device", "cpu"))
+    result = _run(case, tmp_path, run_dir)
+    _assert_clean_error(result, case.names)
+    assert not run_dir.exists()

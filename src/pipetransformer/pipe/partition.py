@@ -40,9 +40,8 @@ __all__ = [
 DEFAULT_MAX_MICRO_BATCH_FACTOR = 8
 """At M = 8K micro-batches the bubble is under 1/9 of a step; beyond, mostly per-message overhead grows."""
 
-GIB = 1024**3
-MIB = 1024**2
-"""Bytes per GiB, for error messages people can read."""
+GIB, MIB = 1024**3, 1024**2
+"""Bytes per GiB and MiB, for error messages people can read."""
 
 
 def readable_bytes(num_bytes: float) -> str:
