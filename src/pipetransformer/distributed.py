@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipetransformer.config import DistConfig
+from pipetransformer.config import ConfigError, DistConfig
 
-__all__ = ["DistEnv", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
+__all__ = ["DistEnv", "check_device_settings", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
            "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "threads_of_one_worker",
            "wants_cuda", "worker_threads"]
 
@@ -46,10 +46,17 @@ def wants_cuda(config: DistConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
+def check_device_settings(config: DistConfig) -> None:
+    """Raise :class:`ConfigError` for a device or backend this machine cannot give."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("dist.device=cuda but no CUDA device is visible: set dist.device to cpu or auto")
+    if config.backend == "nccl" and not wants_cuda(config):
+        raise ConfigError("dist.backend=nccl needs CUDA devices: set dist.backend to gloo or auto on CPU")
+
+
 def _resolve_device(config: DistConfig, local_rank: int) -> torch.device:
+    check_device_settings(config)
     if wants_cuda(config):
-        if not torch.cuda.is_available():
-            raise RuntimeError("dist.device=cuda but no CUDA device is visible: set dist.device: cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -87,8 +94,6 @@ def init_distributed(config: DistConfig) -> DistEnv:
     if device.type == "cuda":
         backend = "cpu:gloo,cuda:nccl" if config.backend in ("auto", "nccl") else "gloo"
     else:
-        if config.backend == "nccl":
-            raise RuntimeError("dist.backend=nccl needs CUDA devices: set dist.backend: gloo (or auto) on CPU")
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.timeout_s))

@@ -67,8 +67,8 @@ def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost],
 
 
 def check_before_workers(config: Config, world_size: int) -> None:
-    """Raise, before any worker starts, the errors the workers would meet first: no CUDA device for
-    ``dist.device: cuda``, data that cannot be read, a model that cannot be split into blocks, and (with ``pipe.device_memory_gb``) no layout of the untrained model
+    """Raise, before any worker starts, the errors the workers would meet first: a device or backend
+    this machine lacks, data that cannot be read, a model that cannot be split into blocks, and (with ``pipe.device_memory_gb``) no layout of the untrained model
     fitting the budget on ``world_size`` workers (the trainer's
     :class:`~pipetransformer.pipe.partition.PartitionError`).
 
@@ -78,13 +78,10 @@ def check_before_workers(config: Config, world_size: int) -> None:
     frozen layers, is not checked for it, nor is a CUDA run, whose kernels save other activations than the CPU's
     (the launcher keeps off the devices its workers will use).
     """
-    import torch
-
-    from pipetransformer.distributed import wants_cuda
+    from pipetransformer.distributed import check_device_settings, wants_cuda
     from pipetransformer.pipe.profile import estimate_block_costs, profile_blocks
 
-    if config.dist.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("dist.device=cuda but no CUDA device is visible: set dist.device to cpu or auto")
+    check_device_settings(config.dist)
     model, inputs, num_classes = _model_and_batch(config)
     if (not config.pipe.enabled or config.pipe.device_memory_gb is None or config.checkpoint.resume is not None
             or wants_cuda(config.dist)):

@@ -117,9 +117,12 @@ def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
-def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("setting", "remedy"), [("dist.device=cuda", "cpu"), ("dist.backend=nccl", "gloo")])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_any_worker_starts(
+        tmp_path: Path, setting: str, remedy: str, workers: str) -> None:
     run_dir = tmp_path / "never-created"
-    case = Case((TINY_VIT, "--set", "dist.device=cuda", "--nproc-per-node", "2"), ("dist.device", "cpu"))
+    case = Case((TINY_VIT, "--set", setting, "--nproc-per-node", workers), (setting.split("=")[0], remedy))
     result = _run(case, tmp_path, run_dir)
     _assert_clean_error(result, case.names)
     assert not run_dir.exists()
