@@ -80,3 +80,12 @@ def test_pretrain_and_model_path_mistakes_are_one_line(args: list[str], message:
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(args) == EXIT_USER_ERROR
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.cuda(devices=1)
+def test_pretraining_on_the_device_follows_the_host() -> None:
+    """The same seed masks the same patches and visits the same images on either device, so the losses agree."""
+    pixels = digits()
+    on_host = masked_patch_pretrain(tiny_vit(), pixels, TrainConfig(batch_size=16, lr=1e-3), epochs=2, seed=0)
+    on_device = masked_patch_pretrain(tiny_vit().cuda(), pixels, TrainConfig(batch_size=16, lr=1e-3), epochs=2, seed=0)
+    assert on_device == pytest.approx(on_host, rel=1e-3)

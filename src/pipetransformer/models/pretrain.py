@@ -49,7 +49,8 @@ class _MaskedPatchObjective(nn.Module):
         targets = pixels.unfold(2, patch, patch).unfold(3, patch, patch)  # [B, C, rows, cols, p, p]
         targets = targets.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # [B, patches, C p p], row-major
         tokens = self.embeddings.patch_tokens(pixels)
-        masked = torch.rand(tokens.shape[:2], generator=generator) < self.mask_ratio
+        # Drawn from a CPU generator on every device, so a seed masks the same patches on CPU and CUDA.
+        masked = (torch.rand(tokens.shape[:2], generator=generator) < self.mask_ratio).to(tokens.device)
         tokens = torch.where(masked[..., None], self.mask_token.expand_as(tokens), tokens)
         hidden = self.embeddings.with_class_token(tokens)
         for layer in self.layers:
@@ -62,10 +63,12 @@ def masked_patch_pretrain(model: BlockSequence, pixels: torch.Tensor, train: Tra
                           mask_ratio: float = DEFAULT_MASK_RATIO,
                           on_epoch: Callable[[int, float, float], None] | None = None) -> list[float]:
     """Pretrain ``model``'s embeddings and layers in place on ``pixels`` ``[N, C, H, W]``; returns each epoch's
-    mean loss. Batch size, learning-rate schedule, weight decay and clipping come from ``train``."""
+    mean loss. Batch size, learning-rate schedule, weight decay and clipping come from ``train``. Runs on the
+    model's device; ``pixels`` may stay on the host (each batch is moved)."""
     if not 0.0 < mask_ratio < 1.0:
         raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
-    objective = _MaskedPatchObjective(model, mask_ratio)
+    device = next(model.parameters()).device
+    objective = _MaskedPatchObjective(model, mask_ratio).to(device)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, train)
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +82,7 @@ def masked_patch_pretrain(model: BlockSequence, pixels: torch.Tensor, train: Tra
         epoch_loss = 0.0
         for index in range(steps_per_epoch):
             step = epoch * steps_per_epoch + index
-            batch = pixels[order[index * train.batch_size:(index + 1) * train.batch_size]]
+            batch = pixels[order[index * train.batch_size:(index + 1) * train.batch_size]].to(device)
             loss = objective(batch, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
