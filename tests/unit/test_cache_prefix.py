@@ -223,6 +223,29 @@ def test_image_prefix_with_dropout_blocks_in_eval(tmp_path: Path) -> None:
         assert cache.metrics().hits == BATCH
 
 
+@pytest.mark.cuda(devices=1)
+def test_a_model_on_the_device_is_served_on_the_device_from_the_host_store(tmp_path: Path) -> None:
+    """The store maps host memory: records computed on the device are copied there, and served ones (read whole,
+    advanced through newly frozen blocks, or mixed with computed rows) come back on the model's device."""
+    model = _image_model().cuda()
+    spec = ActivationSpec(shapes=((IMAGE_TOKENS, DIM),), dtypes=(torch.float32,))
+    pixels = torch.randn(NUM_SAMPLES, IMAGE_FEATURES, generator=torch.Generator().manual_seed(2)).cuda()
+    first, mixed = torch.tensor([3, 8, 1, 0]), torch.tensor([8, 5, 3, 11])
+    with ActivationStore.create(NUM_SAMPLES, spec, LOOSE_BUDGET, tmp_path) as image_store:
+        image_store.unlink_names()
+        cache = FrozenPrefixCache(image_store)
+        _freeze(model, 2)
+        for _ in range(2):  # computed, then read
+            served = cache.activation_at_boundary(model, (pixels[first.cuda()],), first, 2)
+            assert served[0].device == pixels.device
+            torch.testing.assert_close(served, _plain(model, (pixels[first.cuda()],), 2))
+        _freeze(model, 3)  # rows 8 and 3 advance from their records, 5 and 11 are computed
+        served = cache.activation_at_boundary(model, (pixels[mixed.cuda()],), mixed, 3)
+        assert served[0].device == pixels.device
+        torch.testing.assert_close(served, _plain(model, (pixels[mixed.cuda()],), 3))
+        assert cache.metrics().advanced == 2
+
+
 def test_corrupt_disk_record_is_recomputed(tmp_path: Path) -> None:
     model = _text_model()
     boundary = 2

@@ -49,8 +49,9 @@ class CacheMetrics:
         return (self.hits + self.advanced) / self.samples if self.samples else 0.0
 
 
-def _rows(activation: Activation, rows: torch.Tensor) -> Activation:
-    return tuple(t.index_select(0, rows) for t in activation)
+def _rows(activation: Activation, rows: torch.Tensor, device: torch.device | None = None) -> Activation:
+    """``rows`` (host indices) of each tensor, on ``device`` (default: where each tensor is)."""
+    return tuple(t.index_select(0, rows.to(t.device)).to(device or t.device) for t in activation)
 
 
 class FrozenPrefixCache:
@@ -111,6 +112,7 @@ class FrozenPrefixCache:
 
     def _serve(self, model: BlockSequence, batch_inputs: Activation, idx: torch.Tensor, boundary: int) -> Activation:
         batch = idx.numel()
+        device = batch_inputs[0].device  # the model's; the store and the indices live on the host
         trim_to = batch_inputs[0].shape[_SEQUENCE_DIM] if model.task == _TEXT_TASK else None
         recorded = self.store.lookup(idx)
         usable = (recorded != EMPTY_BOUNDARY) & (recorded <= boundary)
@@ -123,7 +125,7 @@ class FrozenPrefixCache:
             for start in torch.unique(read.boundaries[read.served]).tolist():
                 chosen = read.served & (read.boundaries == start)
                 rows = rows_with_record[chosen]
-                activation = _rows(read.activation, chosen.nonzero().reshape(-1))
+                activation = _rows(read.activation, chosen.nonzero().reshape(-1), device)
                 if start == boundary:
                     self._hits_at[boundary] += rows.numel()
                 else:
@@ -146,10 +148,10 @@ class FrozenPrefixCache:
     @staticmethod
     def _assemble(parts: list[tuple[torch.Tensor, Activation]], batch: int) -> Activation:
         template = parts[0][1]
-        out = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype) for t in template]
+        out = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in template]
         for rows, activation in parts:
             for target, value in zip(out, activation, strict=True):
-                target[rows] = value
+                target.index_copy_(0, rows.to(target.device), value)
         return tuple(out)
 
     def _prefix_seconds(self, boundary: int) -> float:

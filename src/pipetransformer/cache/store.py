@@ -534,8 +534,9 @@ class ActivationStore:
         self._boundary[homed] = EMPTY_BOUNDARY
         for level, rows, slots in levels:
             for value, region in zip(activation, level.tensors, strict=True):
-                length = value.shape[1]
-                region[:, :length].index_copy_(0, slots, value[rows].to(region.dtype))
+                length = value.shape[1]  # a device's activation is copied to the host memory the store maps
+                region[:, :length].index_copy_(0, slots, value.index_select(0, rows.to(value.device)).to(
+                    device=region.device, dtype=region.dtype))
                 region[:, length:].index_fill_(0, slots, 0)
             if level is self._disk:
                 for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
