@@ -16,6 +16,7 @@ from pipetransformer.pipe.cost import (
     BlockState,
     Link,
     analytic_costs,
+    as_trained,
     block_fixed_seconds,
     block_forward_seconds,
     block_memory,
@@ -113,6 +114,19 @@ def test_a_frozen_block_costs_its_frozen_forward() -> None:
     # not measured (analytic costs): the frozen forward is the training forward
     unmeasured = replace(cost, frozen_forward_s=None, frozen_forward_fixed_s=None)
     assert unmeasured.frozen_forward == (1.0, 5.0) and unmeasured.frozen_seconds(4) == 9.0
+
+
+def test_the_lowest_active_block_computes_no_input_gradient() -> None:
+    cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0,
+                     backward_fixed_s=4.0, input_grad_share=0.25)
+    link = Link(math.inf, latency_s=0.0)
+    # frozen below block 1: its backward drops a quarter; block 2, above a trainable block, keeps its own
+    trained = as_trained([cost] * 3, [F, A, A])
+    assert (trained[1].backward_s, trained[1].backward_fixed_s) == (1.5, 3.0) and trained[2] == cost
+    timing = stage_timing([cost] * 3, [F, A, A], 1, 3, link)
+    assert (timing.seconds_per_sample, timing.fixed_s) == (3.0 + 2.5, 4.0 + 3.0)
+    assert stage_timing([cost] * 3, [F, A, A], 2, 3, link).fixed_s == 4.0, "not the lowest: unchanged"
+    assert as_trained([cost] * 2, [F, F]) == [cost] * 2, "nothing trains: nothing to drop"
 
 
 def test_a_vocabulary_table_is_all_reduced_by_the_rows_a_step_can_touch() -> None:

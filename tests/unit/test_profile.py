@@ -133,6 +133,8 @@ def test_analytic_layer_parameters_match_torch() -> None:
 
 WORK = 256
 """Side of the square matrices below: a 256 x 256 x 256 matmul takes about a millisecond on one CPU thread."""
+TOKENS = 64
+"""Rows per sample for the input-gradient blocks: their matmuls long enough to time."""
 
 
 class Scale(nn.Module):
@@ -194,6 +196,38 @@ def test_profile_times_the_frozen_forward_in_eval_mode() -> None:
     training_forward = costs[1].seconds(PROFILE_BATCH)[0]
     assert costs[1].frozen_seconds(PROFILE_BATCH) * 2 < training_forward  # 2x: robust to a busy machine
     assert model.training and all(block.training for block in model.blocks), "modes restored"
+
+
+class InputGradientWork(nn.Module):
+    """A large matmul by a fixed matrix: its backward is nearly all the gradient of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fixed", torch.randn(WORK, WORK) / WORK**0.5)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((hidden @ self.fixed) @ self.fixed * self.scale,)
+
+
+class WeightGradientWork(nn.Module):
+    """A large matmul whose input path is detached: its backward is nearly all the weight's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WORK, WORK) / WORK**0.5)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden + (hidden.detach() @ self.weight) @ self.weight,)
+
+
+def test_profile_measures_the_share_of_backward_spent_on_the_input_gradient() -> None:
+    torch.manual_seed(0)
+    model = BlockSequence(Scale(), [InputGradientWork(), WeightGradientWork(), Scale()], Scale(), task="image")
+    costs = profile_blocks(model, (torch.randn(PROFILE_BATCH, TOKENS, WORK),), repeats=5)
+    assert costs[0].input_grad_share == 0.0, "the model's inputs never need a gradient, so none is timed"
+    assert costs[1].input_grad_share > 0.5 > costs[2].input_grad_share
+    assert costs[3].input_grad_share == 1.0, "without parameters a backward computes only its input's gradient"
 
 
 def test_the_line_through_two_timings() -> None:

@@ -163,6 +163,14 @@ def test_stage_works_run_frozen_blocks_at_their_frozen_forward() -> None:
     assert (second.forward_s, second.backward_s) == (4 + 3, 8 + 5), "the active block's training forward"
 
 
+def test_the_lowest_active_block_backs_up_without_its_input_gradient() -> None:
+    costs = [BlockCost(1.0, 2.0, 10, 400, 7, backward_fixed_s=4.0, input_grad_share=0.5)] * 3
+    first, second = stage_works(costs, [F, A, A], [(0, 2), (2, 3)], micro_batch_size=4, overhead_s=0.0,
+                                memory_bytes_per_s=math.inf, bucket_bytes=10**9)
+    assert first.backward_s == (2 * 4 + 4.0) / 2, "block 1 is the lowest active block"
+    assert second.backward_s == 2 * 4 + 4.0
+
+
 def test_touched_rows_are_summed_after_the_last_backward() -> None:
     table = BlockCost(1.0, 2.0, 10, 1_000, 7, row_summed_bytes=900, touched_row_bytes_per_sample=20)
     costs = [table, *COSTS[1:]]

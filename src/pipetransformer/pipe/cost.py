@@ -30,6 +30,7 @@ __all__ = [
     "StageTiming",
     "block_states",
     "analytic_costs",
+    "as_trained",
     "analytic_work",
     "block_fixed_seconds",
     "block_forward_seconds",
@@ -128,6 +129,9 @@ class BlockCost:
     ``row_summed_bytes`` are the bytes of the block's vocabulary tables, whose gradients replicas may sum by the rows
     their batches touched (``dp.touched_rows_only``), and ``touched_row_bytes_per_sample`` the rows one sample's ids
     can touch; analytic costs leave both 0 (every parameter all-reduced whole).
+    ``input_grad_share`` is the share of the backward that computes the gradient of the block's input: the lowest
+    trainable block skips it, since nothing below trains (:func:`as_trained`). A MiniLM layer's was ~1/8; the
+    first block is profiled without it (the model's inputs never need one); analytic costs leave it 0.
     """
 
     forward_s: float
@@ -142,6 +146,7 @@ class BlockCost:
     frozen_forward_fixed_s: float | None = None
     row_summed_bytes: int = 0
     touched_row_bytes_per_sample: int = 0
+    input_grad_share: float = 0.0
 
     def seconds(self, samples: int) -> tuple[float, float]:
         """(forward, backward) seconds of one call on ``samples`` samples, training the block."""
@@ -234,6 +239,19 @@ def validate_states(costs: Sequence[BlockCost], states: Sequence[BlockState]) ->
         )
 
 
+def as_trained(costs: Sequence[BlockCost], states: Sequence[BlockState]) -> list[BlockCost]:
+    """``costs`` as a step in ``states`` runs them: the lowest active block computes no gradient for its input
+    (nothing below it trains, so its input does not require one), so its backward drops ``input_grad_share``."""
+    costs = list(costs)
+    lowest = next((i for i, state in enumerate(states) if state is BlockState.ACTIVE), None)
+    if lowest is not None and costs[lowest].input_grad_share:
+        cost = costs[lowest]
+        kept = 1.0 - cost.input_grad_share
+        costs[lowest] = replace(cost, backward_s=cost.backward_s * kept, backward_fixed_s=cost.backward_fixed_s * kept,
+                                input_grad_share=0.0)
+    return costs
+
+
 def block_seconds_per_sample(cost: BlockCost, state: BlockState) -> float:
     if state is BlockState.ACTIVE:
         return cost.forward_s + cost.backward_s
@@ -289,8 +307,8 @@ def transfer_time(num_bytes: float, link: Link) -> float:
 def stage_timing(
     costs: Sequence[BlockCost], states: Sequence[BlockState], start: int, end: int, link: Link
 ) -> StageTiming:
-    """Compute of blocks ``start..end-1`` (their per-sample and fixed parts) plus the messages on the stage's two
-    boundaries.
+    """Compute of blocks ``start..end-1`` (their per-sample and fixed parts, :func:`as_trained`) plus the messages on
+    the stage's two boundaries.
 
     An input boundary exists unless the stage starts the model or its input comes from the cache;
     an output boundary exists unless the stage ends the model. Each boundary carries the activation
@@ -298,6 +316,7 @@ def stage_timing(
     """
     if not 0 <= start < end <= len(costs):
         raise ValueError(f"stage bounds must satisfy 0 <= start < end <= {len(costs)}, got ({start}, {end})")
+    costs = as_trained(costs, states)
     per_sample = sum(block_seconds_per_sample(costs[i], states[i]) for i in range(start, end))
     fixed = sum(block_fixed_seconds(costs[i], states[i]) for i in range(start, end))
     boundaries = []

@@ -5,7 +5,8 @@ what this machine actually does (embeddings and heads are often far from a layer
 two batch sizes, so its time splits into a part per sample and a part per call: a micro-batch of 4 is not
 half the time of one of 8 (MiniLM's embeddings, on one CPU thread: ~20 ms a call at 2 samples and at 16,
 the dense gradient of the token table). Its forward is timed again as the trainer runs a frozen block, in eval
-mode without an autograd graph: a MiniLM layer's took ~20% less than its training forward.
+mode without an autograd graph: a MiniLM layer's took ~20% less than its training forward; and its backward without
+the gradient of its input, as the lowest trainable block runs it.
 """
 
 from __future__ import annotations
@@ -125,6 +126,17 @@ def _time_frozen_forward(block: nn.Module, activation: Activation, warmup: int, 
     return statistics.median(times[warmup:])
 
 
+def _input_grad_share(block: nn.Module, activation: Activation, backward_s: float, warmup: int, repeats: int,
+                      compute_dtype: torch.dtype | None) -> float:
+    """Share of ``backward_s`` (timed with the input's gradient) that computing that gradient takes: the block timed
+    again as the lowest trainable block runs it, without. Within [0, 1]: timing noise never makes it negative; a
+    block without parameters computes nothing else."""
+    if not any(p.requires_grad for p in block.parameters()):
+        return 1.0
+    _, without_s, _ = _time_block(block, activation, warmup, repeats, False, compute_dtype, None)
+    return min(1.0, max(0.0, 1.0 - without_s / backward_s)) if backward_s > 0 else 0.0
+
+
 def _touched_row_bytes(block: nn.Module, activation: Activation, batch_size: int,
                        compute_dtype: torch.dtype | None) -> tuple[int, int]:
     """(bytes of the block's vocabulary tables, bytes of the rows one sample's ids can touch): what replicas
@@ -169,6 +181,8 @@ def _profile_block(
     forward_s, backward_s, output = _time_block(block, activation, warmup, repeats, needs_input_grad, compute_dtype,
                                                 saved)
     frozen_s = _time_frozen_forward(block, activation, warmup, repeats, compute_dtype)
+    input_grad_share = (_input_grad_share(block, activation, backward_s, warmup, repeats, compute_dtype)
+                        if needs_input_grad else 0.0)
     table_bytes, touched_per_sample = _touched_row_bytes(block, activation, batch_size, compute_dtype)
     small = batch_size // SMALL_BATCH_DIVISOR
     if small >= 1:
@@ -195,6 +209,7 @@ def _profile_block(
         frozen_forward_fixed_s=frozen_fixed,
         row_summed_bytes=table_bytes,
         touched_row_bytes_per_sample=touched_per_sample,
+        input_grad_share=input_grad_share,
     )
     return cost, tuple(t.detach() for t in output)
 

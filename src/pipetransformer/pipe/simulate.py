@@ -26,6 +26,7 @@ from pipetransformer.pipe.cost import (
     BlockCost,
     BlockState,
     Link,
+    as_trained,
     block_forward_seconds,
     block_memory,
     transfer_time,
@@ -309,12 +310,14 @@ def stage_works(
     """Each stage's work for micro-batches of ``micro_batch_size`` from per-sample (and per-call) block costs.
 
     A frozen block runs its frozen forward only (:attr:`BlockCost.frozen_forward`), a cached one not at all (its
-    output is read from the cache into stage 0); ``overhead_s`` is added to every forward and backward a stage runs.
+    output is read from the cache into stage 0), the lowest active one its backward without its input's gradient
+    (:func:`~pipetransformer.pipe.cost.as_trained`); ``overhead_s`` is added to every forward and backward a stage runs.
     With ``touched_rows_samples`` (the step's samples over every replica) vocabulary tables are summed by touched
     rows after the last backward, as :class:`pipetransformer.dp.sync.GradientSync` does with
     ``dp.touched_rows_only``; without it, whole in buckets.
     """
     validate_states(costs, states)
+    costs = as_trained(costs, states)
     active = BlockState.ACTIVE
     works = []
     for start, end in bounds:
