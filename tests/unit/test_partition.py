@@ -21,6 +21,7 @@ from pipetransformer.pipe.cost import (
     block_forward_seconds,
     block_memory,
     block_seconds_per_sample,
+    recomputed,
     stage_memory,
     stage_time,
     stage_timing,
@@ -127,6 +128,9 @@ def test_the_lowest_active_block_computes_no_input_gradient() -> None:
     assert (timing.seconds_per_sample, timing.fixed_s) == (3.0 + 2.5, 4.0 + 3.0)
     assert stage_timing([cost] * 3, [F, A, A], 2, 3, link).fixed_s == 4.0, "not the lowest: unchanged"
     assert as_trained([cost] * 2, [F, F]) == [cost] * 2, "nothing trains: nothing to drop"
+    # recomputed, the block re-runs its forward in backward; the input gradient still costs the same seconds
+    again = as_trained([cost, recomputed(cost, input_bytes=0)], [F, A])[1]
+    assert again.backward_s == pytest.approx(1.0 + 2.0 - 0.25 * 2.0)
 
 
 def test_a_vocabulary_table_is_all_reduced_by_the_rows_a_step_can_touch() -> None:

@@ -372,15 +372,18 @@ def stage_memory(
 def recomputed(cost: BlockCost, input_bytes: int) -> BlockCost:
     """``cost`` with activation checkpointing: backward first re-runs the forward, and between forward
     and backward only the block's input (``input_bytes`` per sample, the previous block's output) is kept.
+    The input gradient's share shrinks to the same seconds (per sample) of the longer backward.
     """
     if cost.recompute_bytes:
         return cost
+    backward_s = cost.backward_s + cost.forward_s
     return replace(
         cost,
-        backward_s=cost.backward_s + cost.forward_s,
+        backward_s=backward_s,
         backward_fixed_s=cost.backward_fixed_s + cost.forward_fixed_s,
         activation_bytes=input_bytes,
         recompute_bytes=cost.activation_bytes,
+        input_grad_share=cost.input_grad_share * cost.backward_s / backward_s if backward_s > 0 else 0.0,
     )
 
 
