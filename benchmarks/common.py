@@ -37,6 +37,7 @@ __all__ = [
     "TASKS",
     "SETTLED_AFTER_STEPS",
     "settled_step_s",
+    "step_records",
     "DISTURBED_LOAD",
     "RunResult",
     "LoadSampler",
@@ -279,11 +280,15 @@ SETTLED_AFTER_STEPS = 5
 """Steps left out of a settled step time: the first carry start-up costs (first shapes, allocator growth)."""
 
 
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's logged steps (``metrics.jsonl`` records of event ``step``), in order."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == "step"]
+
+
 def settled_step_s(run_dir: Path) -> float:
     """A run's median step time after its first ``SETTLED_AFTER_STEPS`` (needs ``run.log_every=1``)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_s"] for r in records
-                             if r.get("event") == "step" and r["step"] > SETTLED_AFTER_STEPS)
+    return statistics.median(r["step_s"] for r in step_records(run_dir) if r["step"] > SETTLED_AFTER_STEPS)
 
 
 def median(values: Sequence[float]) -> float | None:

@@ -45,6 +45,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     markdown_table,
     replace_section,
     run_training,
+    step_records,
 )
 
 import torch  # noqa: E402
@@ -159,8 +160,7 @@ def measured_points(run_dir: Path, cache: bool) -> list[dict[str, Any]]:
     """Median measured seconds per (frozen layers, step kind), settled steps only. With the cache, the first epoch
     at a frozen count fills it ("fill": each sample's prefix advanced or computed once) and the second reads it
     ("cached"); without it, or before anything froze, steps are "plain"."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("event") == "step"]
+    steps = step_records(run_dir)
     history = json.loads((run_dir / "summary.json").read_text())["layout_history"]
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     since: dict[tuple[int, int], int] = {}

@@ -29,6 +29,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     markdown_table,
     replace_section,
     run_training,
+    step_records,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -40,11 +41,6 @@ CONFIG = CONFIG_DIR / "text_minilm_ddp.yaml"
 BATCH = 32
 SETTINGS = {"whole": "dp.touched_rows_only=false", "rows": "dp.touched_rows_only=true"}
 PHASES = ("forward_s", "backward_s", "allreduce_s", "control_s", "optimizer_s")
-
-
-def _steps(run_dir: Path) -> list[dict[str, Any]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r.get("event") == "step"]
 
 
 def main() -> None:
@@ -60,7 +56,7 @@ def main() -> None:
         result = run_training(name, CONFIG, repeat, RUNS_DIR, [*overrides, SETTINGS[name]])
         if not result.ok:
             raise SystemExit(f"{name} repeat {repeat} failed: {result.error}")
-        records = _steps(Path(result.run_dir))
+        records = step_records(Path(result.run_dir))
         settled = [r for r in records if r["step"] > SETTLED_AFTER_STEPS]
         results[name].append({
             "repeat": repeat, "step_s": statistics.median(r["step_s"] for r in settled), "load_mean": result.load_mean,

@@ -289,17 +289,17 @@ def _pretrain(args: argparse.Namespace) -> int:
     import torch
 
     from pipetransformer.data import datasets_from_config
-    from pipetransformer.distributed import check_device_settings, wants_cuda
+    from pipetransformer.distributed import resolve_device
     from pipetransformer.models import build_model
     from pipetransformer.models.pretrain import masked_patch_pretrain
     from pipetransformer.models.vit import save_vit_backbone
-    check_device_settings(config.dist)
+    device = resolve_device(config.dist)
     torch.manual_seed(config.seed)
     train_set = datasets_from_config(config.data, tokenizer=None).train  # no validation or test images
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
     try:
         model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path,
-                            vit=dict(config.model.vit)).to("cuda" if wants_cuda(config.dist) else "cpu")
+                            vit=dict(config.model.vit)).to(device)
         masked_patch_pretrain(model, pixels, config.train, epochs=epochs, seed=config.seed,
                               on_epoch=lambda epoch, loss, seconds: print(
                                   f"epoch {epoch + 1}/{epochs}: masked-patch loss {loss:.4f} ({seconds:.0f} s)",

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from pipetransformer.config import ConfigError, DistConfig
 
-__all__ = ["DistEnv", "check_device_settings", "init_distributed", "shutdown_distributed", "broadcast_string", "broadcast_tensors",
-           "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together", "threads_of_one_worker",
-           "wants_cuda", "worker_threads"]
+__all__ = ["DistEnv", "check_device_settings", "init_distributed", "shutdown_distributed", "broadcast_string",
+           "broadcast_tensors", "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together",
+           "resolve_device", "threads_of_one_worker", "wants_cuda", "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ def check_device_settings(config: DistConfig) -> None:
         raise ConfigError("dist.backend=nccl needs CUDA devices: set dist.backend to gloo or auto on CPU")
 
 
-def _resolve_device(config: DistConfig, local_rank: int) -> torch.device:
+def resolve_device(config: DistConfig, local_rank: int = 0) -> torch.device:
+    """The device ``dist.device`` gives the ``local_rank``-th worker of a node (made current on CUDA), after
+    :func:`check_device_settings`."""
     check_device_settings(config)
     if wants_cuda(config):
         torch.cuda.set_device(local_rank)
@@ -89,7 +91,7 @@ def init_distributed(config: DistConfig) -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = _resolve_device(config, local_rank)
+    device = resolve_device(config, local_rank)
     torch.set_num_threads(worker_threads(config, local_world_size))
     if device.type == "cuda":
         backend = "cpu:gloo,cuda:nccl" if config.backend in ("auto", "nccl") else "gloo"

@@ -32,14 +32,14 @@ from pipetransformer.pipe.cost import (
 from pipetransformer.pipe.levers import Candidate, LeverSettings
 from pipetransformer.pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
 from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_time
-from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, block_states, plan_layout
+from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, block_states, plan_layout
 from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
 __all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command", "cluster_run_plan",
            "plan_command", "plan_report", "profiled_costs"]
 
 
-def _model_and_batch(config: Config, device: str = "cpu") -> tuple[Any, tuple[Any, ...], int]:
+def _model_and_batch(config: Config, device: Any = "cpu") -> tuple[Any, tuple[Any, ...], int]:
     """The config's model (blocks, on ``device``), one example batch there, and its class count: what profiling
     runs on. Data and models the trainer would refuse raise the trainer's :class:`ConfigError`."""
     import torch
@@ -57,19 +57,19 @@ def profiled_costs(config: Config, local_workers: int) -> tuple[list[BlockCost],
     measured with the threads one of ``local_workers`` workers on this machine gets: a block on 2 threads runs
     faster per sample than on the 1 a worker of two has, and the plan would be for a machine the run is not.
     On the device the workers will use (the first CUDA device when ``dist.device`` resolves to cuda), as they do."""
-    from pipetransformer.distributed import threads_of_one_worker, wants_cuda
+    from pipetransformer.distributed import resolve_device, threads_of_one_worker
     from pipetransformer.pipe.profile import analytic_block_work, estimate_block_costs
 
-    model, inputs, num_classes = _model_and_batch(config, "cuda:0" if wants_cuda(config.dist) else "cpu")
+    model, inputs, num_classes = _model_and_batch(config, resolve_device(config.dist))
     with threads_of_one_worker(config.dist, local_workers):
         costs = estimate_block_costs(model, inputs, num_classes=num_classes, measure=config.pipe.profile)
     return costs, analytic_block_work(model, inputs, num_classes=num_classes), model.block_names()
 
 
 def check_before_workers(config: Config, world_size: int) -> None:
-    """Raise, before any worker starts, the errors the workers would meet first: a device or backend
-    this machine lacks, data that cannot be read, a model that cannot be split into blocks, and (with ``pipe.device_memory_gb``) no layout of the untrained model
-    fitting the budget on ``world_size`` workers (the trainer's
+    """Raise, before any worker starts, the errors the workers would meet first: a device or backend this machine
+    lacks, data that cannot be read, a model that cannot be split into blocks, and (with ``pipe.device_memory_gb``)
+    no layout of the untrained model fitting the budget on ``world_size`` workers (the trainer's
     :class:`~pipetransformer.pipe.partition.PartitionError`).
 
     Whether a layout fits reads only the blocks' bytes (parameters, saved activations, outputs), which one
@@ -88,16 +88,20 @@ def check_before_workers(config: Config, world_size: int) -> None:
         return
     costs = (profile_blocks(model, inputs, warmup=0, repeats=1) if config.pipe.profile
              else estimate_block_costs(model, inputs, num_classes=num_classes, measure=False))
-    plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
-                frozen_blocks=0, cached_blocks=0, precision=Precision(config.train.precision),
-                touched_rows_only=config.dp.touched_rows_only)
+    _layout(config, world_size, costs)
+
+
+def _layout(config: Config, world_size: int, costs: list[BlockCost], frozen_blocks: int = 0,
+            cached_blocks: int = 0) -> LayoutPlan:
+    """AutoPipe's layout of ``config`` on ``world_size`` workers for a freeze state, as the trainer plans it."""
+    return plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
+                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
+                       precision=Precision(config.train.precision), touched_rows_only=config.dp.touched_rows_only)
 
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],
                 frozen_blocks: int = 0, cached_blocks: int = 0) -> dict[str, Any]:
-    plan = plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
-                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                       precision=Precision(config.train.precision), touched_rows_only=config.dp.touched_rows_only)
+    plan = _layout(config, world_size, costs, frozen_blocks, cached_blocks)
     per_replica = max(1, config.train.batch_size // plan.layout.dp_width)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     return {
