@@ -287,10 +287,13 @@ def replay_wall_time(costs: list[BlockCost], cluster: Cluster, config: Config, s
             seconds["steps"] += predicted(costs, cluster, config, point).step_s
             seconds["host"] += host_s
     # Profiling: warm-up and repeats, each a forward and a backward of every block and its frozen forward, at both
-    # profiled sizes.
+    # profiled sizes; every block above the first once more at the full size without its input's gradient.
     runs = PROFILE_WARMUP + PROFILE_REPEATS
     seconds["profile"] = runs * sum(sum(c.seconds(size)) + c.frozen_seconds(size) for c in costs
                                     for size in (PROFILE_BATCH, PROFILE_BATCH // SMALL_BATCH_DIVISOR))
+    for cost in costs[1:]:
+        forward, backward = cost.seconds(PROFILE_BATCH)
+        seconds["profile"] += runs * (forward + backward * (1.0 - cost.input_grad_share))
     seconds["transitions"] = len(summary["transitions"]) * transition_s
     world = summary["world_size"]
     for evaluation in summary["eval_history"]:

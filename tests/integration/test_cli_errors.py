@@ -105,11 +105,13 @@ def test_bad_input_gives_one_line_error_and_keeps_the_run_directory(name: str, t
     assert {f: (run_dir / f).read_text() for f in files} == files
 
 
-def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
-    """The launcher measures the blocks' bytes itself, so workers that would only find no layout fits never start:
-    they would create the run directory before failing."""
+@pytest.mark.parametrize(("workers", "named"), [("1", "1 worker"), ("2", "2 workers")])
+def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(
+        tmp_path: Path, workers: str, named: str) -> None:
+    """On 2 workers the launcher measures the blocks' bytes itself, so workers that would only find no layout fits
+    never start; one process finds it while setting up, before its recorder creates the run directory."""
     run_dir = tmp_path / "never-created"
-    case = Case((TINY_VIT, *PIPE_ON, *TINY_BUDGET, "--nproc-per-node", "2"), ("pipe.device_memory_gb", "2 workers"))
+    case = Case((TINY_VIT, *PIPE_ON, *TINY_BUDGET, "--nproc-per-node", workers), ("pipe.device_memory_gb", named))
     result = _run(case, tmp_path, run_dir)
     _assert_clean_error(result, case.names)
     assert not run_dir.exists()

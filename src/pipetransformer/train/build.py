@@ -32,14 +32,12 @@ def seed_everything(config: Config) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def resolve_run_dir(settings: RunConfig, env: DistEnv) -> Path:
-    """``run.dir``, or ``runs/<name>-<time>`` as rank 0 names it, created by rank 0."""
+def resolve_run_dir(settings: RunConfig) -> Path:
+    """``run.dir``, or ``runs/<name>-<time>`` as rank 0 names it. Not created here: the run's recorder creates it
+    once set-up has succeeded, so a run refused while setting up (its data, model or memory budget) leaves none."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     path = settings.dir or str(Path(RUNS_DIR) / f"{settings.name or DEFAULT_RUN_NAME}-{stamp}")
-    run_dir = Path(broadcast_string(path))
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return Path(broadcast_string(path))
 
 
 def read_splits(config: Config) -> DataSplits[IndexedDataset]:

@@ -35,8 +35,11 @@ BAR_REFRESH_S = 1.0
 class RunRecorder:
     def __init__(self, run_dir: Path, config: Config, env: DistEnv, *, resumed_at: int | None,
                  cache_metrics: Callable[[], CacheMetrics | None]) -> None:
-        """``resumed_at``: the step of the checkpoint this run resumed from (None: a fresh run)."""
+        """``resumed_at``: the step of the checkpoint this run resumed from (None: a fresh run). Rank 0 creates
+        ``run_dir``: the recorder starts once set-up has succeeded."""
         self.run_dir = run_dir
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
         self.settings = config.run
         self.env = env
         self.cache_metrics = cache_metrics

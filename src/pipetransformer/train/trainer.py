@@ -50,7 +50,7 @@ class Trainer:
         self.config, self.task = config, task or classification()
         self.env = env = init_distributed(config.dist)
         seed_everything(config)
-        self.run_dir = resolve_run_dir(config.run, env)
+        self.run_dir = resolve_run_dir(config.run)
         self.train_set, self.eval_set, self.test_set = load_splits(config, env)
         self.rss_before_model = peak_rss_bytes()  # the runtime and the data: what the memory plan does not count
         self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
