@@ -182,7 +182,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
     text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
             f"Command: `.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
-            f"{' --quick' if args.quick else ''}`", "",
+            f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}`", "",
             f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
             f"Python {machine['python']}; load average at start {machine['load_average_at_start']}; "
             f"started {machine['started']}.", "",
@@ -211,6 +211,11 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     if png:
         text += [f"![{task}: all vs baselines]({png})", ""]
     return "\n".join(text)
+
+
+def _configs_flag(configs: list[str]) -> str:
+    """`` --configs ...`` when a run measured a subset of the family, so its results file gives the command it ran."""
+    return "" if set(configs) == set(FAMILY) else " --configs " + " ".join(m for m in FAMILY if m in configs)
 
 
 def _backbone_lines(backbone: dict[str, Any] | None) -> list[str]:
