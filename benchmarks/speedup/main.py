@@ -32,6 +32,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     REPO_ROOT,
     TASKS,
     LoadSampler,
+    Member,
     RunResult,
     TaskSpec,
     ensure_backbone,
@@ -54,8 +55,8 @@ FAMILY = ("single", "ddp", "no_freeze", "freeze_only", "freeze_pipe_cache", "fre
 PLAIN_BASELINES = ("ddp", "single")
 """What a user would run without this project; speed-ups count against the faster of them."""
 PAPER_BASELINE = "no_freeze"  # the paper's Pipe+DDP: a static pipeline the memory budget forces
-CONFIG_OF = {"single": "ddp"}  # members that run another member's config ...
-NPROC_OF = {"single": 1}  # ... with another worker count (one process, every core: threads default to cores / workers)
+VARIANTS = {"single": Member("ddp", nproc=1)}  # one process, every core (threads default to cores / workers)
+"""Members that run another member's config; every other member runs its own on ``NPROC`` workers."""
 REPORTED = ("all", "no_freeze", "ddp")  # runs the report plots put side by side; the first is the reference
 REPORT_PNG = "throughput.png"
 PERCENT = 100.0
@@ -99,14 +100,18 @@ def _aggregate(results: list[RunResult]) -> dict[str, dict[str, Any]]:
             "transition_s": sum(t["seconds"] for t in done[-1].summary.get("transitions", [])) if done else None,
             "breakdown": step_breakdown(Path(done[-1].run_dir)) if done else [],
         }
-    plain = [m for m in PLAIN_BASELINES if table.get(m, {}).get("wall_time_s")]
-    faster_plain = min(plain, key=lambda m: table[m]["wall_time_s"], default=None)
+    faster_plain = _faster_plain(table)
     for row in table.values():
-        row["faster_plain"] = faster_plain
         for base, name in ((PAPER_BASELINE, PAPER_BASELINE), (faster_plain, "plain")):
             base_wall = table.get(base, {}).get("wall_time_s") if base else None
             row[f"speedup_over_{name}"] = base_wall / row["wall_time_s"] if base_wall and row["wall_time_s"] else None
     return table
+
+
+def _faster_plain(table: dict[str, dict[str, Any]]) -> str | None:
+    """The plain baseline with the shorter median wall time, among those that finished."""
+    plain = [m for m in PLAIN_BASELINES if table.get(m, {}).get("wall_time_s")]
+    return min(plain, key=lambda m: table[m]["wall_time_s"], default=None)
 
 
 def _spread(row: dict[str, Any]) -> str:
@@ -121,8 +126,8 @@ def _targets(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
     if row is None or row["test_accuracy"] is None:
         return ["- `all` did not finish: no target can be checked."]
     lines = []
-    for name, label in ((PAPER_BASELINE, f"`{PAPER_BASELINE}`"), ("plain", f"the faster plain baseline "
-                                                                            f"(`{row['faster_plain']}`)")):
+    for name, label in ((PAPER_BASELINE, f"`{PAPER_BASELINE}`"),
+                        ("plain", f"the faster plain baseline (`{_faster_plain(table)}`)")):
         got = row.get(f"speedup_over_{name}")
         target = SPEEDUP_TARGETS.get(task, {}).get(name)
         if got is None:
@@ -174,9 +179,8 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
                      fmt(row["wall_time_s"], 1), _spread(row), fmt(row["speedup_over_no_freeze"], 2, "x"),
                      fmt(row["speedup_over_plain"], 2, "x"), fmt(row["samples_per_s"], 1), row["layouts"],
                      fmt(row["load_mean"], 2)])
-    plain = next(iter(table.values()))["faster_plain"] if table else None
     header = ["config", "runs", "test acc %", "final val acc %", "best val acc %", "wall s (median)",
-              "wall s (min-max)", "vs no_freeze", f"vs faster plain (`{plain}`)", "samples/s",
+              "wall s (min-max)", "vs no_freeze", f"vs faster plain (`{_faster_plain(table)}`)", "samples/s",
               "layouts (@step frozen stages x dp, cN = cached blocks)", "load avg"]
     mode = "quick" if args.quick else "full"
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
@@ -275,10 +279,10 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     backbone = ensure_backbone(spec, runs_dir)
     results = []
     for repeat, member in interleaved_order(members, args.repeats):
-        config_member = CONFIG_OF.get(member, member)
-        overrides = spec.quick_overrides(config_member) if args.quick else []
-        results.append(run_training(member, spec.config(config_member), repeat, runs_dir, overrides,
-                                    nproc=NPROC_OF.get(member, NPROC)))
+        variant = VARIANTS.get(member, Member(member))
+        overrides = spec.quick_overrides(variant.family_member) if args.quick else []
+        results.append(run_training(member, spec.config(variant.family_member), repeat, runs_dir,
+                                    [*overrides, *variant.overrides], nproc=variant.nproc))
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
     png = _report(task, results, runs_dir)
