@@ -186,7 +186,8 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
     text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
             f"Command: `.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
-            f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}`", "",
+            f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}"
+            f"{' --no-reference' if args.no_reference and task == 'text' else ''}`", "",
             f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
             f"Python {machine['python']}; load average at start {machine['load_average_at_start']}; "
             f"started {machine['started']}.", "",
