@@ -53,6 +53,7 @@ __all__ = [
     "fmt",
     "write_results",
     "replace_section",
+    "replace_block",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -359,19 +360,41 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot write {type(value).__name__} to JSON")
 
 
+def _marked(marker: str, body: str) -> str:
+    """A generated block: ``body`` between ``<!-- marker:start -->`` and ``<!-- marker:end -->``."""
+    return f"<!-- {marker}:start -->\n{body.rstrip()}\n<!-- {marker}:end -->"
+
+
+def _with_block_replaced(text: str, marker: str, body: str) -> str | None:
+    """``text`` with its block of that marker replaced by ``body``; None when it has no such block."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    if start not in text or end not in text:
+        return None
+    before, _, rest = text.partition(start)
+    _, _, after = rest.partition(end)
+    return before + _marked(marker, body) + after
+
+
 def replace_section(path: Path, marker: str, body: str, index_line: str) -> None:
     """Put ``body`` between ``<!-- marker:start -->``/``<!-- marker:end -->`` in a shared README, leaving other
     engineers' sections alone; create the README with a short index if it is missing."""
-    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    block = f"{start}\n{body.rstrip()}\n{end}"
     text = path.read_text(encoding="utf-8") if path.is_file() else (
         "# Benchmarks\n\nEvery number here comes from one command; each benchmark's README says which.\n\n")
     if index_line not in text:
         text = text.rstrip() + f"\n{index_line}\n"
-    if start in text and end in text:
-        before, _, rest = text.partition(start)
-        _, _, after = rest.partition(end)
-        text = before + block + after
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
+    replaced = _with_block_replaced(text, marker, body)
+    path.write_text(replaced if replaced is not None else text.rstrip() + "\n\n" + _marked(marker, body) + "\n",
+                    encoding="utf-8")
+
+
+def replace_block(path: Path, marker: str, body: str, anchor: str) -> None:
+    """Put ``body`` between ``<!-- marker:start -->``/``<!-- marker:end -->`` in a README section that also holds
+    hand-written history: a block with that marker is replaced, a new one goes right under the ``anchor`` line
+    (newest first), and every other line of the file is kept."""
+    text = path.read_text(encoding="utf-8")
+    replaced = _with_block_replaced(text, marker, body)
+    if replaced is None:
+        if anchor not in text:
+            raise ValueError(f"{path} has no line {anchor!r}: add it where new results of this benchmark should go")
+        replaced = text.replace(anchor, f"{anchor}\n{_marked(marker, body)}", 1)
+    path.write_text(replaced, encoding="utf-8")

@@ -8,8 +8,10 @@ One command per table::
 Runs the config family of a task (``ddp``, ``no_freeze``, ``freeze_only``, ``freeze_pipe_cache``,
 ``freeze_pipe_dp``, ``all``) and ``single`` (the ``ddp`` config in one process using every core, the other
 plain baseline a user would pick) with the same seed and epochs, repeats interleaved (the order rotates each
-repeat), and writes ``results-<task>.md`` / ``results-<task>.json`` here, plus ``pipetransformer report``
-plots of the ``all`` run against the two baselines. For the text task it also measures the plain-PyTorch
+repeat), and writes ``results-<task>.md`` / ``results-<task>.json`` here (``quick-`` before, the configs after
+when a quick run or a subset of the family ran, so those never overwrite a full run's files), plus
+``pipetransformer report`` plots of the ``all`` run against the baselines, and puts the run's table in
+benchmarks/README.md under its own marker, keeping the section's hand-written history. For the text task it also measures the plain-PyTorch
 DDP reference (``reference_ddp.py``), so the ``ddp`` baseline can be checked against what a user gets
 without this project.
 """
@@ -41,7 +43,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     machine_info,
     markdown_table,
     median,
-    replace_section,
+    replace_block,
     run_training,
     step_breakdown,
     write_results,
@@ -59,6 +61,8 @@ VARIANTS = {"single": Member("ddp", nproc=1)}  # one process, every core (thread
 """Members that run another member's config; every other member runs its own on ``NPROC`` workers."""
 REPORTED = ("all", "no_freeze", "ddp")  # runs the report plots put side by side; the first is the reference
 REPORT_PNG = "throughput.png"
+README_ANCHOR = "<!-- speedup:newest -->"
+"""The line in benchmarks/README.md's speed-up section under which a new kind of run's block goes."""
 PERCENT = 100.0
 MS_PER_S = 1000.0
 ACCURACY_TOLERANCE_POINTS = 0.5
@@ -114,6 +118,11 @@ def _faster_plain(table: dict[str, dict[str, Any]]) -> str | None:
     return min(plain, key=lambda m: table[m]["wall_time_s"], default=None)
 
 
+def _quoted(member: str | None) -> str:
+    """A member's name as code, or "not run" when the run measured no such member."""
+    return f"`{member}`" if member else "not run"
+
+
 def _spread(row: dict[str, Any]) -> str:
     """The repeats' wall times as min-max, so a ratio of medians comes with the spread behind it."""
     walls = row["wall_times_s"]
@@ -127,7 +136,7 @@ def _targets(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
         return ["- `all` did not finish: no target can be checked."]
     lines = []
     for name, label in ((PAPER_BASELINE, f"`{PAPER_BASELINE}`"),
-                        ("plain", f"the faster plain baseline (`{_faster_plain(table)}`)")):
+                        ("plain", f"the faster plain baseline ({_quoted(_faster_plain(table))})")):
         got = row.get(f"speedup_over_{name}")
         target = SPEEDUP_TARGETS.get(task, {}).get(name)
         if got is None:
@@ -180,14 +189,12 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
                      fmt(row["speedup_over_plain"], 2, "x"), fmt(row["samples_per_s"], 1), row["layouts"],
                      fmt(row["load_mean"], 2)])
     header = ["config", "runs", "test acc %", "final val acc %", "best val acc %", "wall s (median)",
-              "wall s (min-max)", "vs no_freeze", f"vs faster plain (`{_faster_plain(table)}`)", "samples/s",
+              "wall s (min-max)", "vs no_freeze", f"vs faster plain ({_quoted(_faster_plain(table))})", "samples/s",
               "layouts (@step frozen stages x dp, cN = cached blocks)", "load avg"]
     mode = "quick" if args.quick else "full"
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
     text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
-            f"Command: `.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
-            f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}"
-            f"{' --no-reference' if args.no_reference and task == 'text' else ''}`", "",
+            f"Command: {_command(task, args)}", "",
             f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
             f"Python {machine['python']}; load average at start {machine['load_average_at_start']}; "
             f"started {machine['started']}.", "",
@@ -216,6 +223,20 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     if png:
         text += [f"![{task}: all vs baselines]({png})", ""]
     return "\n".join(text)
+
+
+def _stem(kind: str, task: str, quick: bool, configs: list[str]) -> str:
+    """``[quick-]<kind>-<task>[-<config>...]``: a quick run or a subset of the family gets its own files (and its own
+    block in benchmarks/README.md), so it never overwrites a full run's."""
+    subset = "" if set(configs) == set(FAMILY) else "".join(f"-{m}" for m in FAMILY if m in configs)
+    return f"{'quick-' if quick else ''}{kind}-{task}{subset}"
+
+
+def _command(task: str, args: argparse.Namespace) -> str:
+    """The command that ran this task, as a reader would type it."""
+    return (f"`.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
+            f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}"
+            f"{' --no-reference' if args.no_reference and task == 'text' else ''}`")
 
 
 def _configs_flag(configs: list[str]) -> str:
@@ -251,7 +272,7 @@ def _run_reference(runs_dir: Path) -> list[dict[str, Any]]:
     return results
 
 
-def _report(task: str, results: list[RunResult], runs_dir: Path) -> str | None:
+def _report(task: str, stem: str, results: list[RunResult], runs_dir: Path) -> str | None:
     """``pipetransformer report`` on the last finished ``all`` and baseline runs; one PNG copied next to the results."""
     dirs = []
     for member in REPORTED:
@@ -260,15 +281,15 @@ def _report(task: str, results: list[RunResult], runs_dir: Path) -> str | None:
             dirs.append(done[-1].run_dir)
     if len(dirs) < len(REPORTED):
         return None
-    out = runs_dir / f"report-{task}"
+    out = runs_dir / stem
     command = [sys.executable, "-m", "pipetransformer.cli", "report", *dirs, "--out", str(out)]
     completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         print(f"report FAILED: {completed.stderr.strip().splitlines()[-1:]}", flush=True)
         return None
-    name = f"report-{task}-{REPORT_PNG}"
+    name = f"{stem}-{REPORT_PNG}"
     shutil.copyfile(out / REPORT_PNG, HERE / name)
-    shutil.copyfile(out / "report.md", HERE / f"report-{task}.md")
+    shutil.copyfile(out / "report.md", HERE / f"{stem}.md")
     return name
 
 
@@ -286,37 +307,31 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
                                     [*overrides, *variant.overrides], nproc=variant.nproc))
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
-    png = _report(task, results, runs_dir)
+    stem = _stem("results", task, args.quick, args.configs)
+    png = _report(task, _stem("report", task, args.quick, args.configs), results, runs_dir)
     markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
                "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
-    md_path, _ = write_results(HERE, f"results-{task}", markdown, payload)
+    md_path, _ = write_results(HERE, stem, markdown, payload)
+    _publish(task, stem, args, table, machine)
     print(f"results: {md_path}", flush=True)
     return {"table": table, "markdown": md_path}
 
 
-def _readme_section(tasks: list[str]) -> None:
-    """This benchmark's section in benchmarks/README.md: the targets line of each results file written so far."""
-    lines = ["## Speed-up (`benchmarks/speedup`)", "",
-             "`.venv/bin/python benchmarks/speedup/main.py [--quick] [--task text|vit|both] [--repeats N]`; "
-             "details and the per-step breakdown in [speedup/README.md](speedup/README.md).", ""]
-    for task in TASKS:
-        results = HERE / f"results-{task}.json"
-        if not results.is_file():
-            continue
-        payload = json.loads(results.read_text())
-        table = payload["table"]
-        rows = [[f"`{m}`", fmt(r.get("test_accuracy") and r["test_accuracy"] * PERCENT), fmt(r["wall_time_s"], 1),
-                 _spread(r), fmt(r["speedup_over_no_freeze"], 2, "x"), fmt(r.get("speedup_over_plain"), 2, "x"),
-                 fmt(r["load_mean"], 2)]
-                for m in FAMILY if (r := table.get(m)) is not None]
-        lines += [f"### {task} ({'quick' if payload['quick'] else 'full'}, {payload['repeats']} repeat(s), "
-                  f"load at start {payload['machine']['load_average_at_start']})", "",
-                  markdown_table(["config", "test acc %", "wall s", "min-max", "vs no_freeze", "vs faster plain",
-                                  "load avg"], rows), "",
-                  *_targets(task, table), ""]
-    replace_section(HERE.parent / "README.md", "speedup", "\n".join(lines),
-                    "- [speedup](speedup/README.md): end-to-end speed-up over the baselines (paper Table 1 / Fig. 9)")
+def _publish(task: str, stem: str, args: argparse.Namespace, table: dict[str, dict[str, Any]],
+             machine: dict[str, Any]) -> None:
+    """This run's table and targets in benchmarks/README.md's speed-up section, as the block of its results file:
+    a run of the same kind replaces its block, any other text of the section is kept."""
+    rows = [[f"`{m}`", fmt(r["test_accuracy"] and r["test_accuracy"] * PERCENT), fmt(r["wall_time_s"], 1),
+             _spread(r), fmt(r["speedup_over_no_freeze"], 2, "x"), fmt(r["speedup_over_plain"], 2, "x"),
+             fmt(r["load_mean"], 2)]
+            for m in FAMILY if (r := table.get(m)) is not None]
+    body = [f"### {task} ({'quick' if args.quick else 'full'}, {args.repeats} repeat(s), started {machine['started']}, "
+            f"load at start {machine['load_average_at_start']})", "", f"Command: {_command(task, args)}", "",
+            markdown_table(["config", "test acc %", "wall s", "min-max", "vs no_freeze", "vs faster plain",
+                            "load avg"], rows), "",
+            *_targets(task, table), f"- files: `speedup/{stem}.md/json`"]
+    replace_block(HERE.parent / "README.md", f"speedup/{stem}", "\n".join(body), README_ANCHOR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,12 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    readme = HERE.parent / "README.md"
+    if README_ANCHOR not in readme.read_text(encoding="utf-8"):
+        parser.error(f"{readme} has no line {README_ANCHOR!r}: add it where this benchmark's new results should go")
     machine = machine_info()
     print(json.dumps(machine), flush=True)
     tasks = list(TASKS) if args.task == "both" else [args.task]
     for task in tasks:
         _run_task(task, args, machine)
-    _readme_section(tasks)
     return 0
 
 

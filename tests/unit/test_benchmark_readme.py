@@ -1,0 +1,57 @@
+"""The speed-up benchmark's outputs: file names that never overwrite another kind of run, and README blocks that
+keep the hand-written history around them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def speedup() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("speedup_main", BENCHMARKS / "speedup" / "main.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_quick_run_or_a_subset_gets_its_own_files(speedup: ModuleType) -> None:
+    family = list(speedup.FAMILY)
+    assert speedup._stem("results", "text", False, family) == "results-text"
+    assert speedup._stem("results", "text", True, family) == "quick-results-text"
+    assert speedup._stem("report", "vit", False, ["all", "ddp", "single"]) == "report-vit-single-ddp-all"
+
+
+def test_a_block_is_replaced_and_the_text_around_it_kept(speedup: ModuleType, tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    anchor = speedup.README_ANCHOR
+    readme.write_text(f"# Benchmarks\n\nintro\n\n{anchor}\n\n### an earlier run, written by hand\n", encoding="utf-8")
+    common = sys.modules["common"]
+    common.replace_block(readme, "speedup/results-text", "first text run", anchor)
+    common.replace_block(readme, "speedup/results-vit", "vit run", anchor)
+    common.replace_block(readme, "speedup/results-text", "second text run", anchor)
+    text = readme.read_text(encoding="utf-8")
+    assert "first text run" not in text and text.count("second text run") == 1
+    assert text.index("vit run") < text.index("second text run") < text.index("written by hand"), \
+        "a new kind of run goes right under the anchor, newest first; a rerun stays where its block was"
+    assert text.startswith("# Benchmarks\n\nintro\n\n") and text.endswith("### an earlier run, written by hand\n")
+
+
+def test_a_readme_without_the_anchor_is_refused(speedup: ModuleType, tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="speedup:newest"):
+        sys.modules["common"].replace_block(readme, "speedup/results-text", "a run", speedup.README_ANCHOR)
+    assert readme.read_text(encoding="utf-8") == "# Benchmarks\n"
+
+
+def test_the_benchmarks_readme_has_the_anchor(speedup: ModuleType) -> None:
+    assert speedup.README_ANCHOR in (BENCHMARKS / "README.md").read_text(encoding="utf-8")
