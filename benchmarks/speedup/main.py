@@ -11,9 +11,9 @@ plain baseline a user would pick) with the same seed and epochs, repeats interle
 repeat), and writes ``results-<task>.md`` / ``results-<task>.json`` here (``quick-`` before, the configs after
 when a quick run or a subset of the family ran, so those never overwrite a full run's files), plus
 ``pipetransformer report`` plots of the ``all`` run against the baselines, and puts the run's table in
-benchmarks/README.md under its own marker, keeping the section's hand-written history. For the text task it also measures the plain-PyTorch
-DDP reference (``reference_ddp.py``), so the ``ddp`` baseline can be checked against what a user gets
-without this project.
+benchmarks/README.md under its own marker, keeping the section's hand-written history. For the text task it
+also measures the plain-PyTorch DDP reference (``reference_ddp.py``), so the ``ddp`` baseline can be checked
+against what a user gets without this project.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def _run_reference(runs_dir: Path) -> list[dict[str, Any]]:
     return results
 
 
-def _report(task: str, stem: str, results: list[RunResult], runs_dir: Path) -> str | None:
+def _report(stem: str, results: list[RunResult], runs_dir: Path) -> str | None:
     """``pipetransformer report`` on the last finished ``all`` and baseline runs; one PNG copied next to the results."""
     dirs = []
     for member in REPORTED:
@@ -308,7 +308,7 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
     stem = _stem("results", task, args.quick, args.configs)
-    png = _report(task, _stem("report", task, args.quick, args.configs), results, runs_dir)
+    png = _report(_stem("report", task, args.quick, args.configs), results, runs_dir)
     markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
                "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
