@@ -228,8 +228,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
 def _stem(kind: str, task: str, quick: bool, configs: list[str]) -> str:
     """``[quick-]<kind>-<task>[-<config>...]``: a quick run or a subset of the family gets its own files (and its own
     block in benchmarks/README.md), so it never overwrites a full run's."""
-    subset = "" if set(configs) == set(FAMILY) else "".join(f"-{m}" for m in FAMILY if m in configs)
-    return f"{'quick-' if quick else ''}{kind}-{task}{subset}"
+    return f"{'quick-' if quick else ''}{kind}-{task}" + "".join(f"-{m}" for m in _subset(configs))
 
 
 def _command(task: str, args: argparse.Namespace) -> str:
@@ -239,9 +238,15 @@ def _command(task: str, args: argparse.Namespace) -> str:
             f"{' --no-reference' if args.no_reference and task == 'text' else ''}`")
 
 
+def _subset(configs: list[str]) -> list[str]:
+    """The members a run measured, in family order, when it measured a subset; empty for the whole family."""
+    return [] if set(configs) == set(FAMILY) else [m for m in FAMILY if m in configs]
+
+
 def _configs_flag(configs: list[str]) -> str:
     """`` --configs ...`` when a run measured a subset of the family, so its results file gives the command it ran."""
-    return "" if set(configs) == set(FAMILY) else " --configs " + " ".join(m for m in FAMILY if m in configs)
+    subset = _subset(configs)
+    return " --configs " + " ".join(subset) if subset else ""
 
 
 def _backbone_lines(backbone: dict[str, Any] | None) -> list[str]:

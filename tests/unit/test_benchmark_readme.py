@@ -3,24 +3,17 @@ keep the hand-written history around them."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def speedup() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("speedup_main", BENCHMARKS / "speedup" / "main.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("speedup")
 
 
 def test_a_quick_run_or_a_subset_gets_its_own_files(speedup: ModuleType) -> None:

@@ -7,27 +7,21 @@ change to that code that moves a recorded number fails here, so it cannot land s
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
-BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "freeze_transfer"
+BENCHMARK_DIR = BENCHMARKS / "freeze_transfer"
 RECORDS = sorted(BENCHMARK_DIR.glob("results*.json"))
 RESCORE_HINT = "rescore it with benchmarks/freeze_transfer/main.py --rescore and commit what moved"
 
 
 @pytest.fixture(scope="module")
 def benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("freeze_transfer_main", BENCHMARK_DIR / "main.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("freeze_transfer")
 
 
 def test_there_are_records() -> None:
