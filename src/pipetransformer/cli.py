@@ -263,7 +263,7 @@ def _replay(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
-          f"threshold={f.threshold} percentile={f.percentile} max_change={f.max_change} over {len(steps)} steps of "
+          f"threshold={f.threshold} learned_by={f.learned_by} percentile={f.percentile} max_change={f.max_change} over {len(steps)} steps of "
           f"{run_dir}")
     try:
         decisions = replay(policy, steps)
@@ -273,7 +273,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"step {decision.step} (epoch {decision.epoch}): {len(decision.frozen)} layers frozen "
               f"{sorted(decision.frozen)}")
     if not decisions:
-        print("nothing frozen")
+        print(policy.outcome())
     return 0
 
 

@@ -451,6 +451,63 @@ NOISE = [0.01] * NUM_LAYERS
 """A window in which every layer's gradient is noise: coherence below any threshold used here."""
 
 
+PRETRAINED_BOTTOM = [0.01, 0.01, 0.5, 0.5, 0.5, 0.5]
+"""A window in which the upper layers learn and the bottom two carry only noise, as a pretrained layer may."""
+
+
+def test_coherence_learned_by_any_layer_tests_a_layer_that_never_learned_itself() -> None:
+    # The bottom two layers never reach the threshold; the upper four learn, then every layer turns to noise.
+    norms, dots = coherence_trace([PRETRAINED_BOTTOM] * 2 + [NOISE] * 3)
+    own = build("coherence", alpha=1.0, threshold=0.1)
+    assert set(frozen_counts(run(own, norms, dots=dots))) == {0}
+    assert "freeze.learned_by: any_layer" in own.outcome()
+    anyone = build("coherence", alpha=1.0, threshold=0.1, learned_by="any_layer")
+    # once layers 2-5 learned (window 1), layers 0-1 below the threshold in windows 2-3 count as converged;
+    # the upper layers, noise from window 3, follow after their own two windows (window 4)
+    assert frozen_counts(run(anyone, norms, dots=dots)) == [0, 0, 2, 6, 6]
+    with pytest.raises(ValueError, match="learned_by"):
+        build("coherence", learned_by="model")
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_coherence_learned_by_any_layer_resumes_with_the_same_decisions(cut: int) -> None:
+    norms, dots = coherence_trace([PRETRAINED_BOTTOM] * 2 + [NOISE] * 3)
+    original = build("coherence", alpha=1.0, threshold=0.1, learned_by="any_layer")
+    run(original, norms[:cut], dots=dots[:cut])
+    resumed = build("coherence", alpha=1.0, threshold=0.1, learned_by="any_layer")
+    resumed.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    after = run(original, norms[cut:], start=cut, dots=dots[cut:])
+    assert run(resumed, norms[cut:], start=cut, dots=dots[cut:]) == after and any(after)
+
+
+def test_coherence_learned_by_any_layer_still_waits_for_some_layer_to_learn() -> None:
+    norms, dots = coherence_trace([NOISE] * 5)
+    policy = build("coherence", alpha=1.0, threshold=0.1, learned_by="any_layer")
+    assert set(frozen_counts(run(policy, norms, dots=dots))) == {0}
+    assert "no layer's gradient coherence ever reached 0.1" in policy.outcome()
+
+
+def test_every_window_end_leaves_its_numbers_frozen_or_not() -> None:
+    norms, dots = coherence_trace([LEARNING] + [NOISE] * 2 + [NOISE])
+    policy = build("coherence", interval=1, alpha=1.0, threshold=0.1, max_fraction=0.5)
+    windows = []
+    for step, (row, row_dots) in enumerate(zip(norms, dots)):
+        policy.observe(row, row_dots)
+        policy.decide(step, 0, False)
+        windows.append(policy.last_window)
+    assert [w["window"] for w in windows] == [1, 2, 3, 4]
+    assert [w["frozen"] for w in windows] == [[], [], [0, 1, 2], [0, 1, 2]]  # the last changes nothing
+    assert windows[1]["coherence"] == pytest.approx([0.01] * NUM_LAYERS) and windows[1]["candidate"] == 0
+    json.dumps(windows)
+    between = build("coherence", interval=2, alpha=1.0)
+    between.observe(*[v[0] for v in coherence_trace([LEARNING])])
+    between.decide(0, 0, False)
+    assert between.last_window is None  # no window ended at this step
+    schedule = build("schedule", schedule=[[1, 1]], max_fraction=1.0)
+    run(schedule, [[1.0] * NUM_LAYERS] * 3)
+    assert schedule.last_window is None  # a schedule has no windows to report
+
+
 @pytest.mark.parametrize(("windows", "needle"), [
     ([NOISE] * 6, "layer 0's gradient coherence never reached 0.1"),  # noise from the start: never learned
     ([LEARNING] * 6, "layer 0 learned, but its gradient coherence never stayed below 0.1"),

@@ -56,7 +56,7 @@ def test_replay_command_prints_decisions_with_overrides(tmp_path: Path, capsys: 
     assert main(["replay", str(run_dir)]) == 0
     assert "step 4 (epoch 0): 2 layers frozen [0, 1]" in capsys.readouterr().out
     assert main(["replay", str(run_dir), "--set", "freeze.policy=none"]) == 0  # --set reaches the policy
-    assert "nothing frozen" in capsys.readouterr().out
+    assert "nothing froze in" in capsys.readouterr().out  # the policy's own account of why
 
 
 @pytest.mark.parametrize(("every", "freeze_at", "message"), [

@@ -72,6 +72,11 @@ def test_the_test_split_is_evaluated_once_at_the_end_and_never_steers_training(t
     assert all(r["split"] == "validation" and r["samples"] == 128 for r in records if r["event"] == "eval")
     assert summary["test_samples"] == 96 and 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["freeze_decisions"], "the run should freeze, so freeze decisions are compared below"
+    windows = [r for r in records if r["event"] == "freeze_window"]  # every window's numbers, frozen or not
+    assert [w["step"] for w in windows] == list(range(4, summary["steps"] + 1, 4))
+    assert len(windows) > len(summary["freeze_decisions"])
+    frozen_after = {w["step"]: w["frozen"] for w in windows}
+    assert all(frozen_after[d["step"]] == d["frozen"] for d in summary["freeze_decisions"])
     best = max(summary["eval_history"], key=lambda e: e["accuracy"])  # the first of equal accuracies
     assert summary["best_validation_step"] == best["step"]
     assert summary["test_accuracy_at_best_validation"] is not None

@@ -47,6 +47,8 @@ __all__ = [
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
 UNWINDOWED = ("schedule", "none")
+LEARNED_BY = ("layer", "any_layer")
+"""Whose window of learning starts a layer's coherence test: its own, or any layer's."""
 """Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
@@ -115,6 +117,7 @@ class FreezePolicy(ABC):
         self.windows_done = 0
         self.cap_binds = 0  # windows where the geometric bound held back layers the policy found converged
         self.last_step: int | None = None
+        self.last_window: dict[str, Any] | None = None  # the numbers of a window that ended at the last decide()
 
     def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
         """Record one optimizer step's per-layer gradient norms ``||g_t||`` and, where the previous step's gradient
@@ -133,8 +136,10 @@ class FreezePolicy(ABC):
         """Call after every optimizer step (``epoch_end`` on an epoch's last one); ``None`` means no change.
 
         A repeated ``step`` (an extra call to report the epoch's end) counts no new step. ``step`` and
-        ``epoch`` also label the decision.
+        ``epoch`` also label the decision. When a window ended, ``last_window`` holds its numbers whether or not
+        anything froze, so a run that froze nothing still shows why.
         """
+        self.last_window = None
         new_step = step != self.last_step
         self.last_step = step
         if new_step:
@@ -152,6 +157,9 @@ class FreezePolicy(ABC):
             return None
         target, details = proposal
         target = self.frozen | target
+        if window_end and self.name not in UNWINDOWED:
+            self.last_window = {"step": step, "epoch": epoch, "window": self.windows_done,
+                                "frozen": sorted(target), **details}
         if target == self.frozen:
             return None
         self.frozen = target
@@ -426,6 +434,12 @@ class CoherencePolicy(FreezePolicy):
     lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
     safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most that many more layers
     freeze per decision, so the layers above keep adapting while the next ones are tested again.
+
+    ``learned_by`` says whose window of learning starts a layer's test: the layer's own (``layer``, the default)
+    or any layer's (``any_layer``). Coherence rises and falls with the run's phase on every layer together, and a
+    pretrained bottom layer may never carry a coherent gradient of its own, so waiting for its own window can
+    mean it never freezes; once any layer has learned, the task's signal has reached the model and the first
+    steps' noise is behind it.
     """
 
     name = "coherence"
@@ -440,14 +454,17 @@ class CoherencePolicy(FreezePolicy):
         alpha: float,
         threshold: float,
         max_advance: int | None = None,
+        learned_by: str = LEARNED_BY[0],
     ) -> None:
         super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
         self.alpha = alpha
         self.threshold = threshold
         self.max_advance = max_advance
+        self.learned_by = learned_by
         self.decisions = 0
         self.previous_coherence: list[float | None] = [None] * num_layers
         self.learned = [False] * num_layers  # a window with coherence at or above the threshold was seen
+        self.learned_earlier = [False] * num_layers  # ... before the last window that ended
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -478,7 +495,10 @@ class CoherencePolicy(FreezePolicy):
         previous, self.previous_coherence = self.previous_coherence, coherence
         self._reset_window()
         # learned before the previous window: the two windows tested below must both come after it
-        learned_before = list(self.learned)
+        learned_before = self.learned_earlier
+        if self.learned_by == "any_layer":
+            learned_before = [any(learned_before)] * self.num_layers
+        self.learned_earlier = list(self.learned)
         self.learned = [seen or (value is not None and value >= self.threshold)
                         for seen, value in zip(self.learned, coherence)]
         active = [i for i in range(self.num_layers) if i not in self.frozen]
@@ -508,18 +528,22 @@ class CoherencePolicy(FreezePolicy):
         if self.windows_done < needed:
             return (f"{super().outcome()}: the coherence test needs {needed} (one to learn, two below the threshold); "
                     "shorten freeze.interval (or freeze.min_window_steps)")
-        if not self.learned[0]:
+        if self.learned_by == "any_layer" and not any(self.learned):
+            return (f"{super().outcome()}: no layer's gradient coherence ever reached {self.threshold} (the model did "
+                    "not start learning, or its gradients are mostly mini-batch noise)")
+        if not self.learned[0] and self.learned_by == "layer":
             return (f"{super().outcome()}: layer 0's gradient coherence never reached {self.threshold} (it did not "
                     "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
-                    "after it learned")
-        return (f"{super().outcome()}: layer 0 learned, but its gradient coherence never stayed below "
-                f"{self.threshold} for two windows in a row")
+                    "after it learned (freeze.learned_by: any_layer starts its test once any layer has)")
+        learned = "layer 0 learned, but its" if self.learned_by == "layer" else "a layer learned, but layer 0's"
+        return (f"{super().outcome()}: {learned} gradient coherence never stayed below {self.threshold} for two "
+                "windows in a row")
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(decisions=self.decisions, dot_sum=self.dot_sum.tolist(), sq_sum=self.sq_sum.tolist(),
                      valid_steps=self.valid_steps.tolist(), previous_coherence=self.previous_coherence,
-                     learned=self.learned)
+                     learned=self.learned, learned_earlier=self.learned_earlier)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -530,6 +554,9 @@ class CoherencePolicy(FreezePolicy):
         self.valid_steps = np.asarray(state["valid_steps"], dtype=np.int64)
         self.previous_coherence = list(state["previous_coherence"])
         self.learned = [bool(seen) for seen in state["learned"]]
+        # absent from checkpoints of earlier versions, whose test read ``learned``: the same decisions for learned_by
+        # layer (a layer that learned in the previous window was not below the threshold in it)
+        self.learned_earlier = [bool(seen) for seen in state.get("learned_earlier", state["learned"])]
 
 
 def _change_ratio(previous: float, current: float) -> float:
@@ -571,6 +598,7 @@ def make_policy(
     max_change: float | None = None,
     threshold: float = 0.1,
     max_advance: int | None = None,
+    learned_by: str = LEARNED_BY[0],
     seed: int,
 ) -> FreezePolicy:
     """Build a policy by its config name, checking every argument with an error that says what to set.
@@ -599,11 +627,14 @@ def make_policy(
         raise ValueError(f"freeze.threshold must be in (0, 1), got {threshold}")
     if max_advance is not None and max_advance < 1:
         raise ValueError(f"freeze.max_advance must be >= 1 (or null), got {max_advance}")
+    if learned_by not in LEARNED_BY:
+        raise ValueError(f"freeze.learned_by must be one of {', '.join(LEARNED_BY)}, got {learned_by!r}")
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
     if name == "coherence":
-        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, max_advance=max_advance, **common)
+        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, max_advance=max_advance,
+                                learned_by=learned_by, **common)
     if name == "gradient":
         return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
@@ -640,4 +671,4 @@ def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_ste
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold,
-                       max_advance=settings.max_advance, seed=seed)
+                       max_advance=settings.max_advance, learned_by=settings.learned_by, seed=seed)

@@ -93,6 +93,12 @@ class AutoFreeze:
         return {"step": step, "epoch": epoch, "frozen": sorted(decision.frozen),
                 **{k: v for k, v in decision.details.items() if _jsonable(v)}}
 
+    def window_record(self) -> dict[str, Any] | None:
+        """The numbers of the decision window that ended at the last ``update`` (``None`` when none did), frozen
+        or not: a run that froze nothing shows why in its metrics."""
+        window = self.policy.last_window
+        return None if window is None else {k: v for k, v in window.items() if _jsonable(v)}
+
     def state_dict(self) -> dict[str, Any]:
         return self.policy.state_dict()
 

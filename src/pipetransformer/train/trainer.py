@@ -176,6 +176,9 @@ class Trainer:
 
     def _freeze(self, epoch_end: bool) -> None:
         record = self.freezer.update(self.progress.step, self.progress.epoch, epoch_end, self.optimizer)
+        window = self.freezer.window_record()
+        if window is not None:
+            self.recorder.event("freeze_window", window)
         if record is not None:
             self.progress.freeze_decisions.append(record)
             self.recorder.event("freeze", record)
