@@ -488,7 +488,7 @@ def test_coherence_learned_by_any_layer_still_waits_for_some_layer_to_learn() ->
 
 
 def test_every_window_end_leaves_its_numbers_frozen_or_not() -> None:
-    norms, dots = coherence_trace([LEARNING] + [NOISE] * 2 + [NOISE])
+    norms, dots = coherence_trace([LEARNING] + [NOISE] * 3)
     policy = build("coherence", interval=1, alpha=1.0, threshold=0.1, max_fraction=0.5)
     windows = []
     for step, (row, row_dots) in enumerate(zip(norms, dots)):
@@ -500,7 +500,7 @@ def test_every_window_end_leaves_its_numbers_frozen_or_not() -> None:
     assert windows[1]["coherence"] == pytest.approx([0.01] * NUM_LAYERS) and windows[1]["candidate"] == 0
     json.dumps(windows)
     between = build("coherence", interval=2, alpha=1.0)
-    between.observe(*[v[0] for v in coherence_trace([LEARNING])])
+    between.observe(norms[0], dots[0])
     between.decide(0, 0, False)
     assert between.last_window is None  # no window ended at this step
     schedule = build("schedule", schedule=[[1, 1]], max_fraction=1.0)

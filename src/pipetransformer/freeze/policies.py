@@ -47,9 +47,9 @@ __all__ = [
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
 UNWINDOWED = ("schedule", "none")
+"""Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
 LEARNED_BY = ("layer", "any_layer")
 """Whose window of learning starts a layer's coherence test: its own, or any layer's."""
-"""Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
@@ -531,7 +531,7 @@ class CoherencePolicy(FreezePolicy):
         if self.learned_by == "any_layer" and not any(self.learned):
             return (f"{super().outcome()}: no layer's gradient coherence ever reached {self.threshold} (the model did "
                     "not start learning, or its gradients are mostly mini-batch noise)")
-        if not self.learned[0] and self.learned_by == "layer":
+        if self.learned_by == "layer" and not self.learned[0]:
             return (f"{super().outcome()}: layer 0's gradient coherence never reached {self.threshold} (it did not "
                     "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
                     "after it learned (freeze.learned_by: any_layer starts its test once any layer has)")
