@@ -87,7 +87,8 @@ def _section(task: str, runs: list[dict[str, Any]]) -> list[str]:
         splits = sorted({json.dumps(r["bounds"]) for r in done})
         rows.append([member, "; ".join(splits), " / ".join(str(r["micro_batches"]) for r in done),
                      " / ".join(f"{r['step_s'] * 1e3:.0f}" for r in done), f"{medians[member] * 1e3:.0f}",
-                     f"{medians[member] / min(medians.values()):.2f}", " / ".join(f"{r['load_mean']:.1f}" for r in mine)])
+                     f"{medians[member] / min(medians.values()):.2f}",
+                     " / ".join(f"{r['load_mean']:.1f}" for r in mine)])
     fastest = min(medians, key=medians.__getitem__)
     verdict = (f"**`auto` runs at {medians['auto'] / medians[fastest]:.2f}x the fastest member's step time**"
                f" (fastest: `{fastest}`)" if "auto" in medians else "**`auto` did not run**")

@@ -150,7 +150,8 @@ def _targets(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
     if baselines:
         best = max(baselines, key=lambda b: table[b]["test_accuracy"])
         gap = (table[best]["test_accuracy"] - row["test_accuracy"]) * PERCENT
-        verdict = "met" if gap <= ACCURACY_TOLERANCE_POINTS else f"MISSED by {gap - ACCURACY_TOLERANCE_POINTS:.2f} points"
+        missed_by = gap - ACCURACY_TOLERANCE_POINTS
+        verdict = "met" if missed_by <= 0 else f"MISSED by {missed_by:.2f} points"
         lines.append(f"- test accuracy (final model) {row['test_accuracy'] * PERCENT:.2f}% vs the best baseline "
                      f"(`{best}`) {table[best]['test_accuracy'] * PERCENT:.2f}% ({-gap:+.2f} points; target within "
                      f"{ACCURACY_TOLERANCE_POINTS}): {verdict}")
