@@ -93,7 +93,8 @@ CONFIGS: dict[str, Member] = {
     # candidate defaults, run only when named in --configs (own results file, paired through --pool); all_third was
     # adopted as the package default on 2026-11-25, so it equals all since, and stays for its recorded files
     "all_third": Member("all", (NO_BUDGET, f"freeze.max_fraction={THIRD}")),
-    # a layer's coherence test starts once any layer has learned, not only once it has itself
+    # a layer's coherence test starts once any layer has learned, not only once it has itself: adopted as the package
+    # default on 2026-11-26, so it equals all since
     "all_anylayer": Member("all", (NO_BUDGET, "freeze.learned_by=any_layer")),
 }
 CANDIDATES = ("all_third", "all_anylayer")

@@ -396,11 +396,14 @@ def test_coherence_needs_two_windows_in_a_row_below_the_threshold() -> None:
     assert counts == [0, 0, 0, 0, 2]
 
 
-def test_coherence_waits_for_a_layer_to_learn_before_calling_it_converged() -> None:
+def test_coherence_learned_by_layer_waits_for_the_layer_itself_to_learn() -> None:
     # Layer 0 is noise from the start (it has not started learning), then learns, then settles.
     norms, dots = coherence_trace([[0.01] + [0.5] * 5] * 3 + [LEARNING] + [[0.01] + [0.5] * 5] * 2)
-    counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots))
+    counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1, learned_by="layer"), norms, dots=dots))
     assert counts == [0, 0, 0, 0, 0, 1]
+    # the default starts its test with the first window in which any layer learned (layers 1-5 in window 1)
+    counts = frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots))
+    assert counts == [0, 0, 1, 1, 1, 1]
 
 
 def test_coherence_is_a_window_ratio_of_sums_not_a_mean_of_ratios() -> None:
@@ -458,10 +461,10 @@ PRETRAINED_BOTTOM = [0.01, 0.01, 0.5, 0.5, 0.5, 0.5]
 def test_coherence_learned_by_any_layer_tests_a_layer_that_never_learned_itself() -> None:
     # The bottom two layers never reach the threshold; the upper four learn, then every layer turns to noise.
     norms, dots = coherence_trace([PRETRAINED_BOTTOM] * 2 + [NOISE] * 3)
-    own = build("coherence", alpha=1.0, threshold=0.1)
+    own = build("coherence", alpha=1.0, threshold=0.1, learned_by="layer")
     assert set(frozen_counts(run(own, norms, dots=dots))) == {0}
     assert "freeze.learned_by: any_layer" in own.outcome()
-    anyone = build("coherence", alpha=1.0, threshold=0.1, learned_by="any_layer")
+    anyone = build("coherence", alpha=1.0, threshold=0.1)  # the default
     # once layers 2-5 learned (window 1), layers 0-1 below the threshold in windows 2-3 count as converged;
     # the upper layers, noise from window 3, follow after their own two windows (window 4)
     assert frozen_counts(run(anyone, norms, dots=dots)) == [0, 0, 2, 6, 6]
@@ -508,15 +511,18 @@ def test_every_window_end_leaves_its_numbers_frozen_or_not() -> None:
     assert schedule.last_window is None  # a schedule has no windows to report
 
 
-@pytest.mark.parametrize(("windows", "needle"), [
-    ([NOISE] * 6, "layer 0's gradient coherence never reached 0.1"),  # noise from the start: never learned
-    ([LEARNING] * 6, "layer 0 learned, but its gradient coherence never stayed below 0.1"),
-    ([LEARNING, NOISE] + [LEARNING, NOISE] * 2, "layer 0 learned, but"),  # it dips below for one window at a time
-    ([LEARNING, NOISE], "needs 3 (one to learn, two below the threshold); shorten freeze.interval"),
+@pytest.mark.parametrize(("windows", "learned_by", "needle"), [
+    ([NOISE] * 6, "layer", "layer 0's gradient coherence never reached 0.1"),  # noise from the start: never learned
+    ([PRETRAINED_BOTTOM] * 6, "layer", "layer 0's gradient coherence never reached 0.1"),
+    ([NOISE] * 6, "any_layer", "no layer's gradient coherence ever reached 0.1"),
+    ([LEARNING] * 6, "layer", "layer 0 learned, but its gradient coherence never stayed below 0.1"),
+    ([LEARNING] * 6, "any_layer", "a layer learned, but layer 0's gradient coherence never stayed below 0.1"),
+    ([LEARNING, NOISE] + [LEARNING, NOISE] * 2, "layer", "layer 0 learned, but"),  # below for one window at a time
+    ([LEARNING, NOISE], "any_layer", "needs 3 (one to learn, two below the threshold); shorten freeze.interval"),
 ])
-def test_coherence_outcome_says_why_nothing_froze(windows: list[list[float]], needle: str) -> None:
+def test_coherence_outcome_says_why_nothing_froze(windows: list[list[float]], learned_by: str, needle: str) -> None:
     norms, dots = coherence_trace(windows)
-    policy = build("coherence", alpha=1.0, threshold=0.1)
+    policy = build("coherence", alpha=1.0, threshold=0.1, learned_by=learned_by)
     assert set(frozen_counts(run(policy, norms, dots=dots))) == {0}
     assert policy.outcome().startswith(f"nothing froze in {len(windows)} decision windows: ")
     assert needle in policy.outcome()

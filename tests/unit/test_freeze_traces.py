@@ -35,18 +35,30 @@ def first_epoch_end(steps: list[LoggedStep]) -> int:
     return next(s.step for s, following in zip(steps, steps[1:]) if following.epoch != s.epoch)
 
 
+DEFAULT_DECISIONS = {"2000x3": [(30, 1), (70, 2)], "1000x3": [(60, 1), (70, 2)]}
+"""The default's decisions (``learned_by: any_layer``): on the 2,000-snippet trace layer 4 reaches coherence 0.21 in
+the first window, so layer 0, below 0.2 in the next two, freezes at step 30, inside the first epoch; under the rule
+before 2026-11-26 (``learned_by: layer``) layer 0 waited for its own learning and froze at step 70, after it."""
+
+
 @pytest.mark.parametrize("name", TRACES)
 def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(name: str) -> None:
     steps = trace(name)
     decision = first_decision(FreezeConfig(enabled=True), steps)
     assert decision is not None
-    # Nothing freezes while the first epoch still teaches the model (validation accuracy keeps rising there).
-    assert decision.step > first_epoch_end(steps)
+    # Not before a window of learning and two below the threshold after it: the third window at the earliest.
+    assert decision.details["decision_index"] >= 3
     assert decision.frozen == frozenset(range(len(decision.frozen)))
     assert min(decision.details["candidate"], decision.details["cap"]) <= decision.details["bound"]
     # ... and never more than a third of the layers (freeze.max_fraction 1/3), however many converge.
     policy = policy_from_settings(FreezeConfig(enabled=True), NUM_LAYERS, seed=0, total_steps=len(steps))
-    assert max(len(d.frozen) for d in replay(policy, steps)) <= NUM_LAYERS // 3
+    decisions = replay(policy, steps)
+    assert max(len(d.frozen) for d in decisions) <= NUM_LAYERS // 3
+    assert [(d.step, len(d.frozen)) for d in decisions] == DEFAULT_DECISIONS[name]
+    own = policy_from_settings(FreezeConfig(enabled=True, learned_by="layer"), NUM_LAYERS, seed=0,
+                               total_steps=len(steps))
+    first_own = replay(own, steps)[0]
+    assert first_own.step > first_epoch_end(steps)  # the earlier rule waited out the first epoch on both traces
 
 
 PAPER = FreezeConfig(enabled=True, policy="gradient", interval=0.05, interval_unit="fraction", min_window_steps=10,
@@ -55,14 +67,18 @@ CRITERIA = {
     "paper": PAPER,  # the relative percentile of the gradient-norm change
     "paper+floor": FreezeConfig(**{**PAPER.__dict__, "max_change": 0.1}),  # ... plus an absolute floor
     "coherence": FreezeConfig(**{**PAPER.__dict__, "policy": "coherence", "threshold": 0.2}),
+    "coherence (own)": FreezeConfig(**{**PAPER.__dict__, "policy": "coherence", "threshold": 0.2,
+                                       "learned_by": "layer"}),  # the rule before 2026-11-26
 }
 EXPECTED = {  # (step, frozen layers) of every decision a replay takes, exact up to the first
     ("2000x3", "paper"): [(40, 1), (60, 3), (110, 4), (140, 5)],
     ("2000x3", "paper+floor"): [(100, 2), (110, 3), (130, 4)],
-    ("2000x3", "coherence"): [(70, 3), (80, 4), (110, 5)],
+    ("2000x3", "coherence"): [(30, 1), (70, 3), (80, 4), (110, 5)],
+    ("2000x3", "coherence (own)"): [(70, 3), (80, 4), (110, 5)],
     ("1000x3", "paper"): [(50, 3), (80, 4), (90, 5)],
     ("1000x3", "paper+floor"): [(50, 3), (80, 4), (90, 5)],
     ("1000x3", "coherence"): [(60, 1), (70, 5)],
+    ("1000x3", "coherence (own)"): [(60, 1), (70, 5)],
 }
 
 
@@ -87,14 +103,16 @@ def test_the_papers_percentile_freezes_while_every_layer_learns_most() -> None:
     assert all(c is not None and c > 0.6 for c in coherence.previous_coherence)
 
 
-def test_coherence_needs_the_layer_to_have_learned_first() -> None:
-    """In the first windows the bottom layers' coherence is low because they have not started learning: only
-    the rule that a layer must first show coherent gradients keeps them from freezing there."""
+def test_coherence_needs_the_model_to_have_learned_first() -> None:
+    """In the first windows the bottom layers' coherence is low because they have not started learning. With
+    ``learned_by: layer`` nothing freezes there; with the default, layer 4's first window (0.21) starts the test,
+    and layer 0 freezes after two windows below 0.2 (step 30)."""
     steps = trace("2000x3")
-    settings = FreezeConfig(enabled=True, policy="coherence", interval=10, interval_unit="steps", alpha=1.0,
-                            threshold=0.2)
-    policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps))
-    replay(policy, steps[:30])
-    assert policy.frozen == frozenset()
-    assert policy.previous_coherence[0] is not None and policy.previous_coherence[0] < settings.threshold
-    assert not policy.learned[0]
+    for learned_by, frozen in (("layer", frozenset()), ("any_layer", frozenset({0}))):
+        settings = FreezeConfig(enabled=True, policy="coherence", interval=10, interval_unit="steps", alpha=1.0,
+                                threshold=0.2, max_fraction=0.84, learned_by=learned_by)
+        policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps))
+        replay(policy, steps[:30])
+        assert policy.frozen == frozen, learned_by
+        assert policy.previous_coherence[0] is not None and policy.previous_coherence[0] < settings.threshold
+        assert not policy.learned[0] and policy.learned[4]

@@ -48,8 +48,8 @@ INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
 UNWINDOWED = ("schedule", "none")
 """Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
-LEARNED_BY = ("layer", "any_layer")
-"""Whose window of learning starts a layer's coherence test: its own, or any layer's."""
+LEARNED_BY = ("any_layer", "layer")
+"""Whose window of learning starts a layer's coherence test: any layer's (the default), or its own."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
@@ -425,21 +425,22 @@ class CoherencePolicy(FreezePolicy):
     one ``threshold`` means the same on every model, layer, task and learning rate, unlike a gradient norm or a
     relative percentile (which always finds a "converged" half).
 
-    A layer has converged when it has learned (a window with coherence at or above ``threshold``) and its
-    coherence has then stayed below ``threshold`` for two consecutive windows. Low coherence before a layer
-    has ever learned means it has not started (the first steps, with a random head and a learning rate near
-    zero, look like noise too), and one window's estimate is noisy. The layers below the first active layer that
+    A layer has converged when the model has learned (a window in which some layer's coherence was at or above
+    ``threshold``; see ``learned_by``) and the layer's coherence has then stayed below ``threshold`` for two
+    consecutive windows. Low coherence before that means learning has not started (the first steps, with a random
+    head and a learning rate near zero, look like noise too), and one window's estimate is noisy. The layers below the first active layer that
     has not converged freeze (a layer still learning keeps itself and everything above it training, since its input
     must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
     lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
     safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most that many more layers
     freeze per decision, so the layers above keep adapting while the next ones are tested again.
 
-    ``learned_by`` says whose window of learning starts a layer's test: the layer's own (``layer``, the default)
-    or any layer's (``any_layer``). Coherence rises and falls with the run's phase on every layer together, and a
-    pretrained bottom layer may never carry a coherent gradient of its own, so waiting for its own window can
-    mean it never freezes; once any layer has learned, the task's signal has reached the model and the first
-    steps' noise is behind it.
+    ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
+    or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
+    every layer together, and a pretrained bottom layer may never carry a coherent gradient of its own, so waiting
+    for its own window can mean it never freezes (debates, and one seed of the full text run,
+    ``benchmarks/freeze_transfer``); once any layer has learned, the task's signal has reached the model and the
+    first steps' noise is behind it.
     """
 
     name = "coherence"
