@@ -438,9 +438,9 @@ class CoherencePolicy(FreezePolicy):
     ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
     or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
     every layer together, and a pretrained bottom layer may never carry a coherent gradient of its own, so waiting
-    for its own window can mean it never freezes (debates, and one seed of the full text run,
-    ``benchmarks/freeze_transfer``); once any layer has learned, the task's signal has reached the model and the
-    first steps' noise is behind it.
+    for its own window can mean it never freezes (debates in ``benchmarks/freeze_transfer``, one seed of the full
+    text run in ``benchmarks/speedup``); once any layer has learned, the task's signal has reached the model and
+    the first steps' noise is behind it.
     """
 
     name = "coherence"
