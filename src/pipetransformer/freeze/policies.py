@@ -428,9 +428,9 @@ class CoherencePolicy(FreezePolicy):
     A layer has converged when the model has learned (a window in which some layer's coherence was at or above
     ``threshold``; see ``learned_by``) and the layer's coherence has then stayed below ``threshold`` for two
     consecutive windows. Low coherence before that means learning has not started (the first steps, with a random
-    head and a learning rate near zero, look like noise too), and one window's estimate is noisy. The layers below the first active layer that
-    has not converged freeze (a layer still learning keeps itself and everything above it training, since its input
-    must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
+    head and a learning rate near zero, look like noise too), and one window's estimate is noisy. The layers below
+    the first active layer that has not converged freeze (a layer still learning keeps itself and everything above
+    it training, since its input must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
     lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
     safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most that many more layers
     freeze per decision, so the layers above keep adapting while the next ones are tested again.
