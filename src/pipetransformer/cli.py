@@ -263,7 +263,8 @@ def _replay(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
-          f"threshold={f.threshold} learned_by={f.learned_by} percentile={f.percentile} max_change={f.max_change} "
+          f"threshold={f.threshold} learned_by={f.learned_by} learned_min_steps={f.learned_min_steps} "
+          f"percentile={f.percentile} max_change={f.max_change} "
           f"over {len(steps)} steps of {run_dir}")
     try:
         decisions = replay(policy, steps)

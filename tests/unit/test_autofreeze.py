@@ -77,6 +77,15 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
         AutoFreeze.from_config(wide, tiny_model(), planned_steps=200, steps_per_epoch=200, warn=True)
     assert any("nothing will freeze" in r.getMessage() and r.getMessage().endswith("shorten freeze.interval")
                for r in caplog.records)
+    caplog.clear()
+    lasting = ["freeze.enabled=true", "freeze.interval=10", "freeze.interval_unit=steps"]
+    with caplog.at_level(logging.WARNING):  # 3 windows of 10 fit 35 steps; 20 steps of learning make it 4 windows
+        AutoFreeze.from_config(load_config(ROOT_CONFIG, lasting), tiny_model(), planned_steps=35, steps_per_epoch=35,
+                               warn=True)
+        assert not caplog.records
+        AutoFreeze.from_config(load_config(ROOT_CONFIG, [*lasting, "freeze.learned_min_steps=20"]), tiny_model(),
+                               planned_steps=35, steps_per_epoch=35, warn=True)
+    assert any("the first decision needs 40 steps but the run has 35" in r.getMessage() for r in caplog.records)
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
     assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,
                                   warn=False).previous_grads is None

@@ -117,7 +117,7 @@ def test_int_or_auto_fields_take_both() -> None:
     ("data.max_train_samples", 0), ("checkpoint.every_steps", -5), ("train.lr", 0.0), ("train.lr", -1e-3),
     ("train.warmup_fraction", 1.0), ("data.validation_fraction", 0.0), ("data.validation_fraction", 1.0),
     ("freeze.alpha", 0.0), ("freeze.alpha", 1.5), ("freeze.percentile", 101.0), ("freeze.max_fraction", -0.1),
-    ("freeze.max_change", 0.0), ("freeze.max_advance", 0),
+    ("freeze.max_change", 0.0), ("freeze.max_advance", 0), ("freeze.learned_min_steps", 0),
     ("pipe.stages", 0), ("pipe.micro_batches", 0), ("pipe.device_memory_gb", 0.0), ("cache.memory_gb", -1.0),
     ("cache.min_frozen", 0), ("train.weight_decay", -0.1), ("train.momentum", 1.0), ("train.grad_clip", 0.0),
     ("dist.timeout_s", 0.0), ("dist.threads_per_worker", 0), ("pipe.link_bandwidth_gbps", -1.0),

@@ -490,6 +490,49 @@ def test_coherence_learned_by_any_layer_still_waits_for_some_layer_to_learn() ->
     assert "no layer's gradient coherence ever reached 0.1" in policy.outcome()
 
 
+def test_coherence_learned_min_steps_needs_learning_that_lasts_that_many_steps() -> None:
+    # one 1-step window of learning among noise: enough for the default, not for learned_min_steps 2
+    norms, dots = coherence_trace([LEARNING] + [NOISE] * 4)
+    assert frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1), norms, dots=dots)) == [0, 0, 6, 6, 6]
+    brief = build("coherence", alpha=1.0, threshold=0.1, learned_min_steps=2)
+    assert set(frozen_counts(run(brief, norms, dots=dots))) == {0}
+    assert "no layer's gradient coherence ever reached 0.1 over 2 steps in a row" in brief.outcome()
+    # two consecutive windows of learning: the test starts after the second
+    norms, dots = coherence_trace([LEARNING] * 2 + [NOISE] * 3)
+    lasting = build("coherence", alpha=1.0, threshold=0.1, learned_min_steps=2)
+    assert frozen_counts(run(lasting, norms, dots=dots)) == [0, 0, 0, 6, 6]
+    # two windows above with one below between them do not add up
+    norms, dots = coherence_trace([LEARNING, NOISE, LEARNING] + [NOISE] * 3)
+    assert set(frozen_counts(run(build("coherence", alpha=1.0, threshold=0.1, learned_min_steps=2),
+                                 norms, dots=dots))) == {0}
+    # a window as long as learned_min_steps counts alone: 2-step windows, learning in the first
+    norms, dots = coherence_trace([LEARNING] * 2 + [NOISE] * 4)
+    long_windows = build("coherence", interval=2, alpha=1.0, threshold=0.1, learned_min_steps=2)
+    assert frozen_counts(run(long_windows, norms, dots=dots)) == [0, 0, 0, 0, 0, 6]
+    with pytest.raises(ValueError, match="learned_min_steps"):
+        build("coherence", learned_min_steps=0)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 4])
+def test_coherence_learned_min_steps_resumes_with_the_same_decisions(cut: int) -> None:
+    norms, dots = coherence_trace([NOISE, LEARNING, LEARNING] + [NOISE] * 3)
+    original = build("coherence", alpha=1.0, threshold=0.1, learned_min_steps=2)
+    run(original, norms[:cut], dots=dots[:cut])
+    resumed = build("coherence", alpha=1.0, threshold=0.1, learned_min_steps=2)
+    resumed.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    after = run(original, norms[cut:], start=cut, dots=dots[cut:])
+    assert run(resumed, norms[cut:], start=cut, dots=dots[cut:]) == after and any(after)
+
+
+@pytest.mark.parametrize(("learned_min_steps", "interval", "needed"), [(1, 10, 3), (20, 10, 4), (20, 20, 3), (25, 10, 5)])
+def test_coherence_windows_before_a_freeze_count_the_windows_of_learning(
+        learned_min_steps: int, interval: int, needed: int) -> None:
+    policy = build("coherence", interval=interval, learned_min_steps=learned_min_steps)
+    assert policy.windows_before_a_freeze(interval) == needed
+    assert build("gradient").windows_before_a_freeze(interval) == 2
+    assert build("geometric").windows_before_a_freeze(interval) == 1
+
+
 def test_every_window_end_leaves_its_numbers_frozen_or_not() -> None:
     norms, dots = coherence_trace([LEARNING] + [NOISE] * 3)
     policy = build("coherence", interval=1, alpha=1.0, threshold=0.1, max_fraction=0.5)

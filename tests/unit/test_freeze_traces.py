@@ -61,6 +61,17 @@ def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(
     assert first_own.step > first_epoch_end(steps)  # the earlier rule waited out the first epoch on both traces
 
 
+def test_learning_that_lasts_20_steps_waits_out_the_warm_up_window() -> None:
+    """``learned_min_steps: 20`` (a candidate, 2026-11-27): layer 4's 0.21 in the 2,000-snippet trace's first 10-step
+    window no longer starts the test alone, so layer 0 waits for step 70 with layer 1, as under the earlier rule; on
+    the 1,000-snippet trace the layers learn for longer and the decisions stay the default's."""
+    for name, expected in (("2000x3", [(70, 2)]), ("1000x3", DEFAULT_DECISIONS["1000x3"])):
+        steps = trace(name)
+        policy = policy_from_settings(FreezeConfig(enabled=True, learned_min_steps=20), NUM_LAYERS, seed=0,
+                                      total_steps=len(steps))
+        assert [(d.step, len(d.frozen)) for d in replay(policy, steps)] == expected, name
+
+
 PAPER = FreezeConfig(enabled=True, policy="gradient", interval=0.05, interval_unit="fraction", min_window_steps=10,
                      alpha=1 / 3, percentile=50.0, max_fraction=0.84)  # up to 5 of 6: the criteria are under test
 CRITERIA = {

@@ -27,7 +27,6 @@ import numpy as np
 __all__ = [
     "INTERVAL_UNITS",
     "POLICY_NAMES",
-    "WINDOWS_BEFORE_A_FREEZE",
     "FreezeDecision",
     "CoherencePolicy",
     "FreezePolicy",
@@ -51,12 +50,13 @@ UNWINDOWED = ("schedule", "none")
 LEARNED_BY = ("any_layer", "layer")
 """Whose window of learning starts a layer's coherence test: any layer's (the default), or its own."""
 
+WINDOWS_BELOW = 2
+"""Coherence: consecutive windows below the threshold before a layer counts as converged (one window's estimate is
+noisy)."""
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
 _PERCENT = 100.0
 _LARGEST_FLOAT = float(np.finfo(np.float64).max)
-WINDOWS_BEFORE_A_FREEZE = {"gradient": 2, "coherence": 3}
-"""The gradient test compares two windows; coherence needs a window of learning, then two below its threshold."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,9 @@ class FreezePolicy(ABC):
     """Decides the set of frozen layer indices; the trainer calls ``observe`` then ``decide`` after every step."""
 
     name: str
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        """Decision windows of ``window_steps`` steps the policy needs before it can freeze anything."""
+        return 1
 
     def __init__(self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float) -> None:
         self.num_layers = num_layers
@@ -336,6 +339,8 @@ class GradientPolicy(FreezePolicy):
     """
 
     name = "gradient"
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        return 2  # it compares two windows
 
     def __init__(
         self,
@@ -426,8 +431,8 @@ class CoherencePolicy(FreezePolicy):
     relative percentile (which always finds a "converged" half).
 
     A layer has converged when the model has learned (a window in which some layer's coherence was at or above
-    ``threshold``; see ``learned_by``) and the layer's coherence has then stayed below ``threshold`` for two
-    consecutive windows. Low coherence before that means learning has not started (the first steps, with a random
+    ``threshold``; see ``learned_by`` and ``learned_min_steps``) and the layer's coherence has then stayed below
+    ``threshold`` for two consecutive windows. Low coherence before that means learning has not started (the first steps, with a random
     head and a learning rate near zero, look like noise too), and one window's estimate is noisy. The layers below
     the first active layer that has not converged freeze (a layer still learning keeps itself and everything above
     it training, since its input must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
@@ -441,6 +446,11 @@ class CoherencePolicy(FreezePolicy):
     for its own window can mean it never freezes (debates in ``benchmarks/freeze_transfer``, one seed of the full
     text run in ``benchmarks/speedup``); once any layer has learned, the task's signal has reached the model and
     the first steps' noise is behind it.
+
+    ``learned_min_steps`` is how many steps a layer's coherence must stay at or above ``threshold``, over consecutive
+    windows, before it counts as having learned (1, the default: any one window). A coherence is an average over its
+    window's steps, so on a short run, where every window is the 10-step floor, one window's value just above the
+    threshold can start the test (debates in ``benchmarks/freeze_transfer``); a window as long as this counts alone.
     """
 
     name = "coherence"
@@ -456,17 +466,25 @@ class CoherencePolicy(FreezePolicy):
         threshold: float,
         max_advance: int | None = None,
         learned_by: str = LEARNED_BY[0],
+        learned_min_steps: int = 1,
     ) -> None:
         super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
         self.alpha = alpha
         self.threshold = threshold
         self.max_advance = max_advance
         self.learned_by = learned_by
+        self.learned_min_steps = learned_min_steps
         self.decisions = 0
         self.previous_coherence: list[float | None] = [None] * num_layers
         self.learned = [False] * num_layers  # a window with coherence at or above the threshold was seen
         self.learned_earlier = [False] * num_layers  # ... before the last window that ended
+        self.steps_above = [0] * num_layers  # steps of the consecutive windows, up to the last, at or above threshold
+        self.steps_at_window_start = 0
         self._reset_window()
+
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        """The windows of learning (``learned_min_steps`` of steps), then two below the threshold."""
+        return math.ceil(self.learned_min_steps / window_steps) + WINDOWS_BELOW
 
     def _reset_window(self) -> None:
         self.dot_sum = np.zeros(self.num_layers, dtype=np.float64)
@@ -500,8 +518,10 @@ class CoherencePolicy(FreezePolicy):
         if self.learned_by == "any_layer":
             learned_before = [any(learned_before)] * self.num_layers
         self.learned_earlier = list(self.learned)
-        self.learned = [seen or (value is not None and value >= self.threshold)
-                        for seen, value in zip(self.learned, coherence)]
+        window_steps, self.steps_at_window_start = self.steps_done - self.steps_at_window_start, self.steps_done
+        self.steps_above = [above + window_steps if value is not None and value >= self.threshold else 0
+                            for above, value in zip(self.steps_above, coherence)]
+        self.learned = [seen or above >= self.learned_min_steps for seen, above in zip(self.learned, self.steps_above)]
         active = [i for i in range(self.num_layers) if i not in self.frozen]
         if not active:
             return None
@@ -525,15 +545,22 @@ class CoherencePolicy(FreezePolicy):
         """Why nothing froze, in the test's terms: the bottom layer must converge first (freezing is a prefix)."""
         if self.frozen or self.max_frozen == 0:
             return super().outcome()
-        needed = WINDOWS_BEFORE_A_FREEZE[self.name]
+        if self.interval_unit == "steps":
+            window_steps = self.interval
+        else:  # epochs: the windows so far (a run shorter than one window has seen at most its steps)
+            window_steps = self.steps_done // self.windows_done if self.windows_done else self.steps_done
+        needed = self.windows_before_a_freeze(max(window_steps, 1))
         if self.windows_done < needed:
-            return (f"{super().outcome()}: the coherence test needs {needed} (one to learn, two below the threshold); "
-                    "shorten freeze.interval (or freeze.min_window_steps)")
+            learning = "one" if needed == WINDOWS_BELOW + 1 else str(needed - WINDOWS_BELOW)
+            return (f"{super().outcome()}: the coherence test needs {needed} ({learning} to learn, two below the "
+                    "threshold); shorten freeze.interval (or freeze.min_window_steps)")
+        reached = f"reached {self.threshold}" + ("" if self.learned_min_steps == 1 else
+                                                 f" over {self.learned_min_steps} steps in a row")
         if self.learned_by == "any_layer" and not any(self.learned):
-            return (f"{super().outcome()}: no layer's gradient coherence ever reached {self.threshold} (the model did "
+            return (f"{super().outcome()}: no layer's gradient coherence ever {reached} (the model did "
                     "not start learning, or its gradients are mostly mini-batch noise)")
         if self.learned_by == "layer" and not self.learned[0]:
-            return (f"{super().outcome()}: layer 0's gradient coherence never reached {self.threshold} (it did not "
+            return (f"{super().outcome()}: layer 0's gradient coherence never {reached} (it did not "
                     "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
                     "after it learned (freeze.learned_by: any_layer starts its test once any layer has)")
         learned = "layer 0 learned, but its" if self.learned_by == "layer" else "a layer learned, but layer 0's"
@@ -544,7 +571,8 @@ class CoherencePolicy(FreezePolicy):
         state = super().state_dict()
         state.update(decisions=self.decisions, dot_sum=self.dot_sum.tolist(), sq_sum=self.sq_sum.tolist(),
                      valid_steps=self.valid_steps.tolist(), previous_coherence=self.previous_coherence,
-                     learned=self.learned, learned_earlier=self.learned_earlier)
+                     learned=self.learned, learned_earlier=self.learned_earlier, steps_above=self.steps_above,
+                     steps_at_window_start=self.steps_at_window_start)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -558,6 +586,9 @@ class CoherencePolicy(FreezePolicy):
         # absent from checkpoints of earlier versions, whose test read ``learned``: the same decisions for learned_by
         # layer (a layer that learned in the previous window was not below the threshold in it)
         self.learned_earlier = [bool(seen) for seen in state.get("learned_earlier", state["learned"])]
+        # absent from checkpoints of earlier versions, which had learned_min_steps 1: ``learned`` already holds the rest
+        self.steps_above = [int(count) for count in state.get("steps_above", [0] * self.num_layers)]
+        self.steps_at_window_start = int(state.get("steps_at_window_start", self.steps_done))
 
 
 def _change_ratio(previous: float, current: float) -> float:
@@ -600,6 +631,7 @@ def make_policy(
     threshold: float = 0.1,
     max_advance: int | None = None,
     learned_by: str = LEARNED_BY[0],
+    learned_min_steps: int = 1,
     seed: int,
 ) -> FreezePolicy:
     """Build a policy by its config name, checking every argument with an error that says what to set.
@@ -630,12 +662,14 @@ def make_policy(
         raise ValueError(f"freeze.max_advance must be >= 1 (or null), got {max_advance}")
     if learned_by not in LEARNED_BY:
         raise ValueError(f"freeze.learned_by must be one of {', '.join(LEARNED_BY)}, got {learned_by!r}")
+    if learned_min_steps < 1:
+        raise ValueError(f"freeze.learned_min_steps must be >= 1, got {learned_min_steps}")
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
     if name == "coherence":
         return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, max_advance=max_advance,
-                                learned_by=learned_by, **common)
+                                learned_by=learned_by, learned_min_steps=learned_min_steps, **common)
     if name == "gradient":
         return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
@@ -672,4 +706,5 @@ def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_ste
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold,
-                       max_advance=settings.max_advance, learned_by=settings.learned_by, seed=seed)
+                       max_advance=settings.max_advance, learned_by=settings.learned_by,
+                       learned_min_steps=settings.learned_min_steps, seed=seed)

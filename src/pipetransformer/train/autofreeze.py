@@ -14,7 +14,7 @@ from typing import Any
 
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
-from pipetransformer.freeze.policies import (UNWINDOWED, WINDOWS_BEFORE_A_FREEZE, FreezePolicy, frozen_blocks,
+from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks,
                                              frozen_prefix_layers, policy_from_settings)
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.control import ControlVector
@@ -50,7 +50,7 @@ class AutoFreeze:
             raise ConfigError(str(error)) from None
         if warn and f.enabled and f.policy not in UNWINDOWED:
             window = policy.interval * (steps_per_epoch if policy.interval_unit == EPOCHS else 1)
-            needed = window * WINDOWS_BEFORE_A_FREEZE.get(f.policy, 1)
+            needed = window * policy.windows_before_a_freeze(window)
             steps = min(planned_steps, config.train.max_steps or planned_steps)
             if needed > steps:
                 if f.interval_unit == FRACTION and window == f.min_window_steps:  # the floor, not the fraction
