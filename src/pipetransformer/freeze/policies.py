@@ -53,6 +53,7 @@ LEARNED_BY = ("any_layer", "layer")
 WINDOWS_BELOW = 2
 """Coherence: consecutive windows below the threshold before a layer counts as converged (one window's estimate is
 noisy)."""
+
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
 _PERCENT = 100.0
@@ -105,9 +106,6 @@ class FreezePolicy(ABC):
     """Decides the set of frozen layer indices; the trainer calls ``observe`` then ``decide`` after every step."""
 
     name: str
-    def windows_before_a_freeze(self, window_steps: int) -> int:
-        """Decision windows of ``window_steps`` steps the policy needs before it can freeze anything."""
-        return 1
 
     def __init__(self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float) -> None:
         self.num_layers = num_layers
@@ -121,6 +119,10 @@ class FreezePolicy(ABC):
         self.cap_binds = 0  # windows where the geometric bound held back layers the policy found converged
         self.last_step: int | None = None
         self.last_window: dict[str, Any] | None = None  # the numbers of a window that ended at the last decide()
+
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        """Decision windows of ``window_steps`` steps the policy needs before it can freeze anything."""
+        return 1
 
     def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
         """Record one optimizer step's per-layer gradient norms ``||g_t||`` and, where the previous step's gradient
@@ -339,8 +341,6 @@ class GradientPolicy(FreezePolicy):
     """
 
     name = "gradient"
-    def windows_before_a_freeze(self, window_steps: int) -> int:
-        return 2  # it compares two windows
 
     def __init__(
         self,
@@ -366,6 +366,9 @@ class GradientPolicy(FreezePolicy):
         super().observe(layer_grad_norms, layer_grad_dots)
         self.window_sum += np.asarray(layer_grad_norms, dtype=np.float64)
         self.window_steps += 1
+
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        return 2  # it compares two windows
 
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
         if not window_end:
@@ -432,13 +435,13 @@ class CoherencePolicy(FreezePolicy):
 
     A layer has converged when the model has learned (a window in which some layer's coherence was at or above
     ``threshold``; see ``learned_by`` and ``learned_min_steps``) and the layer's coherence has then stayed below
-    ``threshold`` for two consecutive windows. Low coherence before that means learning has not started (the first steps, with a random
-    head and a learning rate near zero, look like noise too), and one window's estimate is noisy. The layers below
-    the first active layer that has not converged freeze (a layer still learning keeps itself and everything above
-    it training, since its input must stay fixed once cached). A window without a valid dot product for a layer (its previous gradient was
-    lost, e.g. moved to another rank) counts as still learning. The geometric schedule bounds the count as a
-    safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most that many more layers
-    freeze per decision, so the layers above keep adapting while the next ones are tested again.
+    ``threshold`` for two consecutive windows. Low coherence before that means learning has not started (the first
+    steps, with a random head and a learning rate near zero, look like noise too), and one window's estimate is noisy.
+    The layers below the first active layer that has not converged freeze (a layer still learning keeps itself and
+    everything above it training, since its input must stay fixed once cached). A window without a valid dot product for
+    a layer (its previous gradient was lost, e.g. moved to another rank) counts as still learning. The geometric
+    schedule bounds the count as a safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most
+    that many more layers freeze per decision, so the layers above keep adapting while the next ones are tested again.
 
     ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
     or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
@@ -476,7 +479,7 @@ class CoherencePolicy(FreezePolicy):
         self.learned_min_steps = learned_min_steps
         self.decisions = 0
         self.previous_coherence: list[float | None] = [None] * num_layers
-        self.learned = [False] * num_layers  # a window with coherence at or above the threshold was seen
+        self.learned = [False] * num_layers  # coherence at or above the threshold for learned_min_steps was seen
         self.learned_earlier = [False] * num_layers  # ... before the last window that ended
         self.steps_above = [0] * num_layers  # steps of the consecutive windows, up to the last, at or above threshold
         self.steps_at_window_start = 0

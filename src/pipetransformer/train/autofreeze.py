@@ -14,8 +14,8 @@ from typing import Any
 
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
-from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks,
-                                             frozen_prefix_layers, policy_from_settings)
+from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks, frozen_prefix_layers,
+                                             policy_from_settings)
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.control import ControlVector
 from pipetransformer.train.optimizer import HeldOptimizer
