@@ -99,7 +99,8 @@ CONFIGS: dict[str, Member] = {
     # a layer's coherence test starts once any layer has learned, not only once it has itself: adopted as the package
     # default on 2026-11-26, so it equals all since
     "all_anylayer": Member("all", (NO_BUDGET, "freeze.learned_by=any_layer")),
-    # learning counts once it lasts two windows of the 10-step floor (a longer window counts alone)
+    # learning counts once it lasts two windows of the 10-step floor (a longer window counts alone): adopted as the
+    # package default on 2026-11-27, so it equals all since
     "all_learned20": Member("all", (NO_BUDGET, f"freeze.learned_min_steps={LEARNED_MIN_STEPS}")),
 }
 CANDIDATES = ("all_third", "all_anylayer", "all_learned20")

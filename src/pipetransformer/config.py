@@ -127,7 +127,7 @@ class FreezeConfig:
     threshold: float = 0.2  # coherence policy: a layer whose gradient coherence stays below this (after it learned) has converged
     max_advance: int | None = None  # coherence policy: at most this many more layers freeze per decision (null: no limit)
     learned_by: Literal["any_layer", "layer"] = "any_layer"  # coherence policy: whose window of learning starts a layer's test (any layer's, or its own)
-    learned_min_steps: int = 1  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (1: one window)
+    learned_min_steps: int = 20  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (two windows of the 10-step floor; a longer window counts alone)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     max_fraction: float = 1 / 3  # at most this fraction of the layers a deciding policy freezes (a schedule freezes what it lists): each layer beyond two of six cost accuracy on the freeze-transfer tasks

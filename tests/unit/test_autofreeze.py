@@ -67,7 +67,7 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
                for r in caplog.records)
     caplog.clear()
     floored = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.interval_unit=fraction"])
-    with caplog.at_level(logging.WARNING):  # 5% of 20 steps is 1, raised to the 10-step floor: 3 windows need 30
+    with caplog.at_level(logging.WARNING):  # 5% of 20 steps is 1, raised to the 10-step floor: 4 windows need 40
         AutoFreeze.from_config(floored, tiny_model(), planned_steps=20, steps_per_epoch=20, warn=True)
     assert any("nothing will freeze" in r.getMessage() and "freeze.min_window_steps" in r.getMessage()
                for r in caplog.records), "a fraction window is held at its floor: that is the setting to change"
@@ -78,12 +78,12 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
     assert any("nothing will freeze" in r.getMessage() and r.getMessage().endswith("shorten freeze.interval")
                for r in caplog.records)
     caplog.clear()
-    lasting = ["freeze.enabled=true", "freeze.interval=10", "freeze.interval_unit=steps"]
+    lasting = ["freeze.enabled=true", "freeze.interval=10", "freeze.interval_unit=steps", "freeze.learned_min_steps=1"]
     with caplog.at_level(logging.WARNING):  # 3 windows of 10 fit 35 steps; 20 steps of learning make it 4 windows
         AutoFreeze.from_config(load_config(ROOT_CONFIG, lasting), tiny_model(), planned_steps=35, steps_per_epoch=35,
                                warn=True)
         assert not caplog.records
-        AutoFreeze.from_config(load_config(ROOT_CONFIG, [*lasting, "freeze.learned_min_steps=20"]), tiny_model(),
+        AutoFreeze.from_config(load_config(ROOT_CONFIG, [*lasting[:-1]]), tiny_model(),
                                planned_steps=35, steps_per_epoch=35, warn=True)
     assert any("the first decision needs 40 steps but the run has 35" in r.getMessage() for r in caplog.records)
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])

@@ -35,10 +35,12 @@ def first_epoch_end(steps: list[LoggedStep]) -> int:
     return next(s.step for s, following in zip(steps, steps[1:]) if following.epoch != s.epoch)
 
 
-DEFAULT_DECISIONS = {"2000x3": [(30, 1), (70, 2)], "1000x3": [(60, 1), (70, 2)]}
-"""The default's decisions (``learned_by: any_layer``): on the 2,000-snippet trace layer 4 reaches coherence 0.21 in
-the first window, so layer 0, below 0.2 in the next two, freezes at step 30, inside the first epoch; under the rule
-before 2026-11-26 (``learned_by: layer``) layer 0 waited for its own learning and froze at step 70, after it."""
+DEFAULT_DECISIONS = {"2000x3": [(70, 2)], "1000x3": [(60, 1), (70, 2)]}
+"""The default's decisions (``learned_by: any_layer``, ``learned_min_steps: 20``): on the 2,000-snippet trace the
+upper layers pass 0.2 in the first 10-step window; with ``learned_min_steps: 1`` (the rule until 2026-11-27) that window
+alone started the test and layer 0, below 0.2 in windows 2-3, froze at step 30, inside the first epoch. With 20 steps
+of learning the test starts after window 2, layer 0's window 4 (coherence 0.62) keeps it learning, and two layers
+freeze at step 70, as under the rule before 2026-11-26 (``learned_by: layer``)."""
 
 
 @pytest.mark.parametrize("name", TRACES)
@@ -55,19 +57,18 @@ def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(
     decisions = replay(policy, steps)
     assert max(len(d.frozen) for d in decisions) <= NUM_LAYERS // 3
     assert [(d.step, len(d.frozen)) for d in decisions] == DEFAULT_DECISIONS[name]
-    own = policy_from_settings(FreezeConfig(enabled=True, learned_by="layer"), NUM_LAYERS, seed=0,
-                               total_steps=len(steps))
+    own = policy_from_settings(FreezeConfig(enabled=True, learned_by="layer", learned_min_steps=1), NUM_LAYERS,
+                               seed=0, total_steps=len(steps))
     first_own = replay(own, steps)[0]
     assert first_own.step > first_epoch_end(steps)  # the earlier rule waited out the first epoch on both traces
 
 
-def test_learning_that_lasts_20_steps_waits_out_the_warm_up_window() -> None:
-    """``learned_min_steps: 20`` (a candidate, 2026-11-27): layer 4's 0.21 in the 2,000-snippet trace's first 10-step
-    window no longer starts the test alone, so layer 0 waits for step 70 with layer 1, as under the earlier rule; on
-    the 1,000-snippet trace the layers learn for longer and the decisions stay the default's."""
-    for name, expected in (("2000x3", [(70, 2)]), ("1000x3", DEFAULT_DECISIONS["1000x3"])):
+def test_learning_that_lasts_one_window_started_the_test_in_the_warm_up() -> None:
+    """With ``learned_min_steps: 1`` (the rule until 2026-11-27) the 2,000-snippet trace's first 10-step window started
+    the test, and layer 0 froze at step 30; on the 1,000-snippet trace both rules decide alike."""
+    for name, expected in (("2000x3", [(30, 1), (70, 2)]), ("1000x3", DEFAULT_DECISIONS["1000x3"])):
         steps = trace(name)
-        policy = policy_from_settings(FreezeConfig(enabled=True, learned_min_steps=20), NUM_LAYERS, seed=0,
+        policy = policy_from_settings(FreezeConfig(enabled=True, learned_min_steps=1), NUM_LAYERS, seed=0,
                                       total_steps=len(steps))
         assert [(d.step, len(d.frozen)) for d in replay(policy, steps)] == expected, name
 
@@ -79,12 +80,12 @@ CRITERIA = {
     "paper+floor": FreezeConfig(**{**PAPER.__dict__, "max_change": 0.1}),  # ... plus an absolute floor
     "coherence": FreezeConfig(**{**PAPER.__dict__, "policy": "coherence", "threshold": 0.2}),
     "coherence (own)": FreezeConfig(**{**PAPER.__dict__, "policy": "coherence", "threshold": 0.2,
-                                       "learned_by": "layer"}),  # the rule before 2026-11-26
+                                       "learned_by": "layer", "learned_min_steps": 1}),  # the rule before 2026-11-26
 }
 EXPECTED = {  # (step, frozen layers) of every decision a replay takes, exact up to the first
     ("2000x3", "paper"): [(40, 1), (60, 3), (110, 4), (140, 5)],
     ("2000x3", "paper+floor"): [(100, 2), (110, 3), (130, 4)],
-    ("2000x3", "coherence"): [(30, 1), (70, 3), (80, 4), (110, 5)],
+    ("2000x3", "coherence"): [(70, 3), (80, 4), (110, 5)],
     ("2000x3", "coherence (own)"): [(70, 3), (80, 4), (110, 5)],
     ("1000x3", "paper"): [(50, 3), (80, 4), (90, 5)],
     ("1000x3", "paper+floor"): [(50, 3), (80, 4), (90, 5)],
@@ -116,12 +117,15 @@ def test_the_papers_percentile_freezes_while_every_layer_learns_most() -> None:
 
 def test_coherence_needs_the_model_to_have_learned_first() -> None:
     """In the first windows the bottom layers' coherence is low because they have not started learning. With
-    ``learned_by: layer`` nothing freezes there; with the default, layer 4's first window (0.21) starts the test,
-    and layer 0 freezes after two windows below 0.2 (step 30)."""
+    ``learned_by: layer`` nothing freezes there; with ``any_layer`` and ``learned_min_steps: 1`` (the rule of
+    2026-11-26), the upper layers' first window starts the test, and layer 0 freezes after two windows below 0.2 (step
+    30); with the default's 20 steps of learning the test starts a window later, and nothing has frozen by step 30."""
     steps = trace("2000x3")
-    for learned_by, frozen in (("layer", frozenset()), ("any_layer", frozenset({0}))):
+    for learned_by, learned_min_steps, frozen in (("layer", 1, frozenset()), ("any_layer", 1, frozenset({0})),
+                                                  ("any_layer", 20, frozenset())):
         settings = FreezeConfig(enabled=True, policy="coherence", interval=10, interval_unit="steps", alpha=1.0,
-                                threshold=0.2, max_fraction=0.84, learned_by=learned_by)
+                                threshold=0.2, max_fraction=0.84, learned_by=learned_by,
+                                learned_min_steps=learned_min_steps)
         policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps))
         replay(policy, steps[:30])
         assert policy.frozen == frozen, learned_by

@@ -451,9 +451,11 @@ class CoherencePolicy(FreezePolicy):
     the first steps' noise is behind it.
 
     ``learned_min_steps`` is how many steps a layer's coherence must stay at or above ``threshold``, over consecutive
-    windows, before it counts as having learned (1, the default: any one window). A coherence is an average over its
-    window's steps, so on a short run, where every window is the 10-step floor, one window's value just above the
-    threshold can start the test (debates in ``benchmarks/freeze_transfer``); a window as long as this counts alone.
+    windows, before it counts as having learned (1: any one window, the rule until 2026-11-27; the config's default is
+    20, two windows of the 10-step floor). A coherence is an average over its window's steps, so on a short run, where
+    every window is the floor, one window's value just above the threshold could start the test and freeze layers that
+    were still needed (debates and Rotten Tomatoes in ``benchmarks/freeze_transfer``); a window as long as this counts
+    alone.
     """
 
     name = "coherence"
