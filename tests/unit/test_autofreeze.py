@@ -83,8 +83,8 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
         AutoFreeze.from_config(load_config(ROOT_CONFIG, lasting), tiny_model(), planned_steps=35, steps_per_epoch=35,
                                warn=True)
         assert not caplog.records
-        AutoFreeze.from_config(load_config(ROOT_CONFIG, [*lasting[:-1]]), tiny_model(),
-                               planned_steps=35, steps_per_epoch=35, warn=True)
+        AutoFreeze.from_config(load_config(ROOT_CONFIG, lasting[:-1]), tiny_model(), planned_steps=35,
+                               steps_per_epoch=35, warn=True)  # the default, 20
     assert any("the first decision needs 40 steps but the run has 35" in r.getMessage() for r in caplog.records)
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
     assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,

@@ -524,7 +524,8 @@ def test_coherence_learned_min_steps_resumes_with_the_same_decisions(cut: int) -
     assert run(resumed, norms[cut:], start=cut, dots=dots[cut:]) == after and any(after)
 
 
-@pytest.mark.parametrize(("learned_min_steps", "interval", "needed"), [(1, 10, 3), (20, 10, 4), (20, 20, 3), (25, 10, 5)])
+@pytest.mark.parametrize(("learned_min_steps", "interval", "needed"),
+                         [(1, 10, 3), (20, 10, 4), (20, 20, 3), (25, 10, 5)])
 def test_coherence_windows_before_a_freeze_count_the_windows_of_learning(
         learned_min_steps: int, interval: int, needed: int) -> None:
     policy = build("coherence", interval=interval, learned_min_steps=learned_min_steps)

@@ -62,7 +62,7 @@ def _train(tmp_path: Path, *overrides: str) -> tuple[dict[str, object], list[dic
 
 COHERENCE_FREEZING = ("freeze.enabled=true", "freeze.policy=coherence", "freeze.interval=4",
                      "freeze.interval_unit=steps", "freeze.threshold=0.9", "freeze.alpha=0.5", "cache.enabled=true",
-                     "train.eval_every_steps=4")
+                     "train.eval_every_steps=4", "freeze.learned_min_steps=1")  # 4-step windows: one counts
 
 
 def test_the_test_split_is_evaluated_once_at_the_end_and_never_steers_training(tmp_path: Path) -> None:

@@ -556,7 +556,7 @@ class CoherencePolicy(FreezePolicy):
             window_steps = self.steps_done // self.windows_done if self.windows_done else self.steps_done
         needed = self.windows_before_a_freeze(max(window_steps, 1))
         if self.windows_done < needed:
-            learning = "one" if needed == WINDOWS_BELOW + 1 else str(needed - WINDOWS_BELOW)
+            learning = {1: "one", 2: "two"}.get(needed - WINDOWS_BELOW, str(needed - WINDOWS_BELOW))
             return (f"{super().outcome()}: the coherence test needs {needed} ({learning} to learn, two below the "
                     "threshold); shorten freeze.interval (or freeze.min_window_steps)")
         reached = f"reached {self.threshold}" + ("" if self.learned_min_steps == 1 else
