@@ -11,6 +11,7 @@ run. A count whose split does not fit the budget is recorded as such.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -98,6 +99,8 @@ def _section(task: str, runs: list[dict[str, Any]]) -> list[str]:
 
 
 def main() -> None:
+    # no options: the parser gives --help and refuses stray arguments instead of starting a 10-20 minute run
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     machine = machine_info()
     results = {task: _measure(task) for task in PIPELINES}
     body = "\n".join([

@@ -10,6 +10,7 @@ interleaved, 3 repeats; the number is the median settled step time of each run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -46,6 +47,8 @@ MEMBERS = {
 
 
 def main() -> None:
+    # no options: the parser gives --help and refuses stray arguments instead of starting a 10-20 minute run
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     machine = machine_info()
     results: dict[str, list[dict[str, object]]] = {name: [] for name in MEMBERS}
     for repeat, name in interleaved_order(list(MEMBERS), REPEATS):

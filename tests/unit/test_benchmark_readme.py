@@ -1,8 +1,9 @@
 """The speed-up benchmark's outputs: file names that never overwrite another kind of run, and README blocks that
-keep the hand-written history around them."""
+keep the hand-written history around them; every benchmark script answers --help without running."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -48,3 +49,27 @@ def test_a_readme_without_the_anchor_is_refused(speedup: ModuleType, tmp_path: P
 
 def test_the_benchmarks_readme_has_the_anchor(speedup: ModuleType) -> None:
     assert speedup.README_ANCHOR in (BENCHMARKS / "README.md").read_text(encoding="utf-8")
+
+
+HELP_PROBE = """
+import runpy, sys
+for script in sys.argv[1:]:
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise SystemExit(f"{script} --help exited {stop.code}")
+        continue
+    raise SystemExit(f"{script} --help ran instead of printing its usage")
+"""
+
+
+def test_every_benchmark_script_answers_help_without_running() -> None:
+    """``--help`` (or a stray argument) must never start a benchmark that takes minutes and writes results."""
+    scripts = sorted(str(path) for path in BENCHMARKS.glob("*/*.py"))
+    assert len(scripts) >= 10
+    done = subprocess.run([sys.executable, "-c", HELP_PROBE, *scripts], capture_output=True, text=True, timeout=300,
+                          cwd=BENCHMARKS.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("usage:") == len(scripts), done.stdout[-2000:]
