@@ -69,6 +69,10 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "weights.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 MANIFEST_FILE = "manifest.json"
+CHECKPOINTS_DIR = "checkpoints"
+"""Under the run directory, unless ``checkpoint.dir`` says where."""
+RESUME_AUTO = "auto"
+"""``checkpoint.resume`` value: the newest valid checkpoint in the run, if any."""
 TMP_PREFIX = ".tmp-"
 """Unfinished (or crashed) writes; never read, deleted after the next successful save."""
 META_FINGERPRINT_KEY = "model_fingerprint"
@@ -250,9 +254,28 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], what: str) ->
     return len(data)
 
 
+def check_is_a_checkpoint(path: Path) -> None:
+    """Raise CheckpointError when ``path`` is not one checkpoint directory at all (missing, a file, or a folder of
+    checkpoints such as a run's ``checkpoints/``), naming what to give instead; its contents are not verified."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return
+    newest_in_run = "or --resume alone (with --set run.dir=RUN) for the newest valid one in that run"
+    if not path.is_dir():
+        what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+        example = f"RUN/{CHECKPOINTS_DIR}/{checkpoint_dir_name(100)}"
+        raise CheckpointError(f"checkpoint {path} {what}: give one checkpoint directory (e.g. {example}) "
+                              f"{newest_in_run}")
+    held = _step_dirs(path) or _step_dirs(path / CHECKPOINTS_DIR)
+    if held:
+        raise CheckpointError(f"{path} holds checkpoints rather than being one: give one of them (the newest is "
+                              f"{held[0][1]}) {newest_in_run}")
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Verify sizes and hashes, then deserialize (safetensors and JSON only). Raises CheckpointError."""
     path = Path(path)
+    check_is_a_checkpoint(path)
     manifest, payloads = _read_verified(path)
     tensors = {}
     for name, data in payloads.items():

@@ -26,6 +26,7 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from pipetransformer.checkpoint import RESUME_AUTO, check_is_a_checkpoint
 from pipetransformer.config import Config, ConfigError, load_config
 
 __all__ = ["main"]
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="local workers to start (ignored under an outer torchrun)")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restarts after a worker failure; each resumes from the newest valid checkpoint")
-    train.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
+    train.add_argument("--resume", nargs="?", const=RESUME_AUTO, default=None, metavar=f"PATH|{RESUME_AUTO}",
                        help="continue from a checkpoint directory, or the newest valid one in the run (auto)")
     plan = commands.add_parser("plan", help="print block costs, the partition and the predicted step time; "
                                             "with --cluster, a whole run predicted on a cluster")
@@ -200,9 +201,12 @@ def _check_in_a_child_process(config: Config, world_size: int) -> None:
 def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.resume is not None or args.max_restarts > 0:
-        overrides.append(f"checkpoint.resume={args.resume or 'auto'}")
+        overrides.append(f"checkpoint.resume={args.resume or RESUME_AUTO}")
     config = load_config(args.config, overrides)  # validate before any worker starts
     _check_before_launch(config, _world_size(args))
+    if config.checkpoint.resume not in (None, RESUME_AUTO) and not _under_torchrun():
+        # under an outer torchrun only rank 0's node need see the checkpoint: rank 0 reads it and hands it on
+        check_is_a_checkpoint(Path(config.checkpoint.resume))
     if config.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")

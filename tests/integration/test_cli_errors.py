@@ -57,6 +57,10 @@ CASES = {
     "csv_columns_not_named_2_workers": Case((TINY_TEXT, *TABLE, "--nproc-per-node", "2"),
                                             ("'text'", "statement", "data.text_column", "data.label_column")),
     "csv_columns_not_named": Case((TINY_TEXT, *TABLE), ("'text'", "statement", "data.text_column")),
+    "resume_from_a_missing_checkpoint_2_workers": Case((TINY_VIT, "--resume", "{tmp}/nowhere", "--nproc-per-node", "2"),
+                                                       ("nowhere", "does not exist", "--resume alone")),
+    "resume_from_a_run_directory": Case((TINY_VIT, "--resume", "{tmp}/old_run"),
+                                        ("holds checkpoints", "old_run/checkpoints/step-000000007")),
 }
 
 
@@ -72,6 +76,7 @@ def _previous_run(run_dir: Path) -> dict[str, str]:
 def _run(case: Case, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("seed: 0\nrun: {log_every: 1\ntrain: [\n")
+    (tmp_path / "old_run" / "checkpoints" / "step-000000007").mkdir(parents=True)
     (tmp_path / "table.csv").write_text("statement,party\n" + "".join(f"words {i},p{i % 2}\n" for i in range(20)))
     args = [a.replace("{bad}", str(bad_yaml)).replace("{tmp}", str(tmp_path)) for a in case.args]
     command = [sys.executable, "-m", "pipetransformer.cli", case.command, *args]

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetransformer.checkpoint import (
+    CHECKPOINTS_DIR,
     MANIFEST_FILE,
     META_CONFIG_KEY,
     META_FINGERPRINT_KEY,
@@ -29,6 +30,7 @@ from pipetransformer.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     check_compatible,
+    check_is_a_checkpoint,
     checkpoint_dir_name,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -237,6 +239,26 @@ def test_unknown_format_version_is_refused(tmp_path: Path) -> None:
     _rewrite_manifest(path, manifest)
     with pytest.raises(CheckpointError, match="format version"):
         load_checkpoint(path)
+
+
+def test_a_resume_path_that_is_not_one_checkpoint_says_what_to_give(tmp_path: Path) -> None:
+    """A missing path, a file, a run directory or its checkpoints folder: each named, with the newest inside."""
+    run_dir = tmp_path / "run"
+    _save(run_dir / CHECKPOINTS_DIR, 3)
+    newest = _save(run_dir / CHECKPOINTS_DIR, 5)
+    check_is_a_checkpoint(newest)
+    (run_dir / "summary.json").write_text("{}")
+    for path, words in [(tmp_path / "nowhere", "does not exist"), (run_dir / "summary.json", "is a file"),
+                        (run_dir, str(newest)), (run_dir / CHECKPOINTS_DIR, str(newest))]:
+        for check in (check_is_a_checkpoint, load_checkpoint):
+            with pytest.raises(CheckpointError, match="--resume alone") as raised:
+                check(path)
+            assert words in str(raised.value)
+    unfinished = tmp_path / "unfinished"  # a directory without a manifest may be a damaged checkpoint
+    unfinished.mkdir()
+    check_is_a_checkpoint(unfinished)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(unfinished)
 
 
 def test_nothing_valid_gives_none(tmp_path: Path) -> None:

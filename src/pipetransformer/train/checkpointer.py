@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 
-from pipetransformer.checkpoint import (Checkpoint, CheckpointError, check_compatible, latest_valid_checkpoint,
-                                        load_checkpoint, model_fingerprint, save_checkpoint, write_tensors)
+from pipetransformer.checkpoint import (CHECKPOINTS_DIR, RESUME_AUTO, Checkpoint, CheckpointError, check_compatible,
+                                        latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint,
+                                        write_tensors)
 from pipetransformer.config import CheckpointConfig, config_to_dict
 from pipetransformer.distributed import DistEnv, broadcast_string, broadcast_tensors, raise_together
 from pipetransformer.models.blocks import BlockSequence
@@ -30,9 +31,6 @@ BEST_VALIDATION_DIR = "best-validation"
 """Under the checkpoint directory: the weights of the best validation metric, tested once at the end."""
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-RESUME_AUTO = "auto"
-CHECKPOINTS_DIR = "checkpoints"
-"""Under the run directory, unless ``checkpoint.dir`` says where."""
 
 
 class Checkpointer:
