@@ -52,7 +52,12 @@ def test_the_benchmarks_readme_has_the_anchor(speedup: ModuleType) -> None:
 
 
 HELP_PROBE = """
-import runpy, sys
+import runpy, subprocess, sys
+
+def refuse(*args, **kwargs):  # a script that starts its runs instead of printing usage stops here, having run nothing
+    raise SystemExit(f"{sys.argv[0]} --help started a process instead of printing its usage")
+
+subprocess.Popen = refuse
 for script in sys.argv[1:]:
     sys.argv = [script, "--help"]
     try:
