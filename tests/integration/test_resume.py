@@ -28,12 +28,18 @@ COMMON = ("run.save_model=true", "run.record_samples=true", "deterministic=true"
           "freeze.interval_unit=steps", "freeze.schedule=[[9,2]]")
 
 
-@pytest.mark.parametrize("rank", [1, 0], ids=["worker", "rank0-the-writer"])
-def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, rank: int) -> None:
-    """Rank 0 writes checkpoints and metrics; killing it checks that nothing it wrote is lost or half there."""
-    reference = tmp_path / "uninterrupted"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run every SIGKILL case must end identical to (run once: the cases differ only in whom they kill)."""
+    reference = tmp_path_factory.mktemp("sigkill") / "uninterrupted"
     run_job(VIT, reference, *COMMON, nproc=2)
+    return reference
 
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["worker", "rank0-the-writer"])
+def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, uninterrupted: Path, rank: int) -> None:
+    """Rank 0 writes checkpoints and metrics; killing it checks that nothing it wrote is lost or half there."""
+    reference = uninterrupted
     crashed = tmp_path / "crashed"
     job = start_job(VIT, crashed, *COMMON, nproc=2, extra_args=("--max-restarts", "1"))
     # Past the checkpoint at step 6, mid-epoch 1.

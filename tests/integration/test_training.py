@@ -89,13 +89,22 @@ def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_p
     assert "nothing froze in 0 decision windows: the coherence test needs 4 (two to learn" in summary(reference)["freeze_outcome"]
 
 
+PIPELINE_STEPS = ("train.max_steps=4",)
+
+
+@pytest.fixture(scope="module")
+def one_process_text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process run both pipeline schedules must reproduce (run once for the two)."""
+    reference = tmp_path_factory.mktemp("pipeline") / "reference"
+    run_job(TEXT, reference, *SAVE, *PIPELINE_STEPS)
+    return reference
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_matches_single_process(tmp_path: Path, schedule: str) -> None:
-    steps = ("train.max_steps=4",)
-    reference = tmp_path / "reference"
-    run_job(TEXT, reference, *SAVE, *steps)
+def test_pipeline_matches_single_process(tmp_path: Path, one_process_text_run: Path, schedule: str) -> None:
+    reference = one_process_text_run
     piped = tmp_path / "piped"
-    run_job(TEXT, piped, *SAVE, *steps, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=4",
+    run_job(TEXT, piped, *SAVE, *PIPELINE_STEPS, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=4",
             f"pipe.schedule={schedule}", nproc=2)
     layout = summary(piped)["layout_history"][0]
     assert (layout["stages"], layout["dp_width"], layout["micro_batches"]) == (2, 1, 4)
