@@ -229,12 +229,18 @@ PLAN_DEFAULTS = ["freeze.enabled=true", "pipe.enabled=true", "dp.enabled=true", 
 """``plan --cluster --model`` without a config predicts PipeTransformer with all four automations on."""
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from pipetransformer.planning import ClusterPlanRequest, cluster_plan_command, plan_command
+def _plan_config(args: argparse.Namespace) -> Config:
+    """The config ``plan`` reads: the given one, or without one (``--cluster`` with ``--model``) the defaults with
+    all four automations on."""
     if args.cluster is None or args.cluster == "local" or args.model is None:
         if args.config is None:
             raise ConfigError("plan needs a config (or --cluster PRESET|FILE with --model NAME|CONFIG)")
-    config = load_config(args.config, args.overrides if args.config else [*PLAN_DEFAULTS, *args.overrides])
+    return load_config(args.config, args.overrides if args.config else [*PLAN_DEFAULTS, *args.overrides])
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pipetransformer.planning import ClusterPlanRequest, cluster_plan_command, plan_command
+    config = _plan_config(args)
     if args.cluster is None:
         _check_before_launch(config, args.nproc_per_node)
         return plan_command(config, args.nproc_per_node, as_json=args.json)

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.cli import PLAN_DEFAULTS, _parser
+from pipetransformer.cli import _parser, _plan_config
 from pipetransformer.config import Config, ConfigError, config_to_dict, load_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -62,12 +62,12 @@ def test_readme_commands_parse_and_their_configs_load() -> None:
     assert len(commands) >= 10, f"expected the README's usage lines, found {len(commands)}"
     for argv in commands:
         args = _parser().parse_args(argv)
-        config = getattr(args, "config", None)
-        overrides = getattr(args, "overrides", [])
+        if getattr(args, "config", None) is not None:
+            args.config = str(ROOT / args.config)  # the README's paths are relative to the clone
         try:
-            if config is not None:
-                load_config(ROOT / config, overrides)
-            elif args.command == "plan":
-                load_config(None, [*PLAN_DEFAULTS, *overrides])
+            if args.command == "plan":
+                _plan_config(args)
+            elif getattr(args, "config", None) is not None:
+                load_config(args.config, args.overrides)
         except ConfigError as error:
             raise AssertionError(f"README: pipetransformer {shlex.join(argv)}: {error}") from error
