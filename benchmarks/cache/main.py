@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from pipetransformer.cache import ActivationStore, FrozenPrefixCache, spec_from_activation
 from pipetransformer.data import Batch, load_datasets, seeded_permutation
-from pipetransformer.freeze import freeze_blocks
+from pipetransformer.freeze.apply import freeze_blocks
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
 from pipetransformer.pipe import BlockCost, profile_blocks
 

@@ -26,8 +26,7 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from pipetransformer.checkpoint import RESUME_AUTO, check_is_a_checkpoint
-from pipetransformer.config import Config, ConfigError, load_config
+from pipetransformer.config import RESUME_AUTO, Config, ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -188,13 +187,18 @@ def _describe_failures(error: Exception) -> str:
 def _check_in_a_child_process(config: Config, world_size: int) -> None:
     """:func:`~pipetransformer.planning.check_before_workers` in a short-lived process, which raises its errors
     here: the model it loads leaves with it, where this launcher, waiting out the whole run, would keep the
-    allocator's share of it (~140 MB of MiniLM's 90 MB of weights and their profile)."""
+    allocator's share of it (~140 MB of MiniLM's 90 MB of weights and their profile).
+
+    Forked, so the child starts with torch imported (a spawned one spent ~3.5 s of a 2-core VM importing it again).
+    Safe here: the launcher has run no torch op and never touches a GPU, so no thread pool or CUDA context is
+    copied half-made; where fork does not exist the child is spawned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from pipetransformer.planning import check_before_workers
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(method)) as child:
         child.submit(check_before_workers, config, world_size).result()
 
 
@@ -206,6 +210,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_before_launch(config, _world_size(args))
     if config.checkpoint.resume not in (None, RESUME_AUTO) and not _under_torchrun():
         # under an outer torchrun only rank 0's node need see the checkpoint: rank 0 reads it and hands it on
+        from pipetransformer.checkpoint import check_is_a_checkpoint
+
         check_is_a_checkpoint(Path(config.checkpoint.resume))
     if config.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -162,6 +162,10 @@ class CacheConfig:
     dir: str | None = None  # disk level, per node; default node-local temporary storage (TMPDIR, else /tmp)
 
 
+RESUME_AUTO = "auto"
+"""``checkpoint.resume`` value: the newest valid checkpoint in the run, if any."""
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = True  # at epoch ends, every every_steps, and on SIGTERM

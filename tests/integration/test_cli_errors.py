@@ -22,6 +22,10 @@ PIPE_ON = ("--set", "pipe.enabled=true")
 TINY_BUDGET = ("--set", "pipe.device_memory_gb=0.000001")
 TABLE = ("--set", "data.name=text_csv", "--set", "data.path={tmp}/table.csv")
 """A CSV whose columns are not the default text/label (as scattertext's debates: statement, party)."""
+TORCH_IMPORTED = "torch was imported"
+CLI = ("import sys; from pipetransformer.cli import main; code = main(sys.argv[1:]); "
+       f"print({TORCH_IMPORTED!r}) if 'torch' in sys.modules else None; sys.exit(code)")
+"""``python -m pipetransformer.cli``, which also says whether it imported torch."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ CASES = {
     "resume_from_a_run_directory": Case((TINY_VIT, "--resume", "{tmp}/old_run"),
                                         ("holds checkpoints", "old_run/checkpoints/step-000000007")),
 }
+CONFIG_MISTAKES = ("malformed_yaml", "unknown_key", "bad_value", "bad_literal", "text_csv_without_path",
+                   "missing_data_path", "hf_path_without_model", "zero_workers")
+"""Cases found in the config and the file system alone: reported in a fraction of a second, without importing torch
+(~3 s on a 2-core VM)."""
 
 
 def _previous_run(run_dir: Path) -> dict[str, str]:
@@ -79,7 +87,7 @@ def _run(case: Case, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProce
     (tmp_path / "old_run" / "checkpoints" / "step-000000007").mkdir(parents=True)
     (tmp_path / "table.csv").write_text("statement,party\n" + "".join(f"words {i},p{i % 2}\n" for i in range(20)))
     args = [a.replace("{bad}", str(bad_yaml)).replace("{tmp}", str(tmp_path)) for a in case.args]
-    command = [sys.executable, "-m", "pipetransformer.cli", case.command, *args]
+    command = [sys.executable, "-c", CLI, case.command, *args]
     if case.command == "train":
         command += ["--set", f"run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -105,6 +113,8 @@ def test_bad_input_gives_one_line_error_and_keeps_the_run_directory(name: str, t
     _assert_clean_error(result, case.names)
     if "--nproc-per-node" in case.args:  # the launcher finds it: no worker starts (torchrun's agent logs failures)
         assert "elastic" not in result.stdout + result.stderr
+    if name in CONFIG_MISTAKES:
+        assert TORCH_IMPORTED not in result.stdout
     assert (run_dir / NOTES).read_text() == files[NOTES]
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(files)
     assert {f: (run_dir / f).read_text() for f in files} == files

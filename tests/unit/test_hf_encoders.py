@@ -21,7 +21,8 @@ from torch import nn
 
 from pipetransformer.cache.prefix import FrozenPrefixCache
 from pipetransformer.cache.store import ActivationStore, spec_from_activation
-from pipetransformer.freeze import freeze_blocks, frozen_blocks
+from pipetransformer.freeze import frozen_blocks
+from pipetransformer.freeze.apply import freeze_blocks
 from pipetransformer.models.blocks import Activation, BlockSequence, BlockSplitError
 from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder
 from pipetransformer.pipe.stage import StageModule

@@ -1,12 +1,8 @@
-"""AutoFreeze: decide which leading layers stop training (``policies``) and apply it (``apply``)."""
+"""AutoFreeze: decide which leading layers stop training (``policies``, pure logic) and apply it (``apply``, on the
+model). Only the decisions are re-exported here, so reading a config (which names the policies) needs no torch."""
 
 from __future__ import annotations
 
-from pipetransformer.freeze.apply import (
-    PreviousGradients,
-    block_grad_sq_norms,
-    freeze_blocks,
-)
 from pipetransformer.freeze.policies import (
     FreezeDecision,
     FreezePolicy,
@@ -18,11 +14,8 @@ from pipetransformer.freeze.policies import (
 )
 
 __all__ = [
-    "PreviousGradients",
-    "block_grad_sq_norms",
     "FreezeDecision",
     "FreezePolicy",
-    "freeze_blocks",
     "frozen_blocks",
     "frozen_prefix_layers",
     "geometric_frozen_count",

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 
-from pipetransformer.checkpoint import (CHECKPOINTS_DIR, RESUME_AUTO, Checkpoint, CheckpointError, check_compatible,
+from pipetransformer.checkpoint import (CHECKPOINTS_DIR, Checkpoint, CheckpointError, check_compatible,
                                         latest_valid_checkpoint, load_checkpoint, model_fingerprint, save_checkpoint,
                                         write_tensors)
-from pipetransformer.config import CheckpointConfig, config_to_dict
+from pipetransformer.config import RESUME_AUTO, CheckpointConfig, config_to_dict
 from pipetransformer.distributed import DistEnv, broadcast_string, broadcast_tensors, raise_together
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.state import TrainState
