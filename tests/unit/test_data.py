@@ -32,6 +32,7 @@ from pipetransformer.data import (
     split_off,
     split_train_validation,
 )
+from pipetransformer.data import images as images_module
 from pipetransformer.data import text as text_module
 
 Texts = DataSplits[TextDataset]
@@ -323,6 +324,21 @@ def test_digits_split_sizes_and_determinism() -> None:
     assert torch.equal(again.pixels, train.pixels)
     assert not torch.equal(other.labels, train.labels)
     assert_items_match_batch(validation, [0, 7, 3])
+
+
+def test_digits_read_from_scikit_learns_file_are_its_load_digits_and_without_the_file_come_from_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    expected = load_digits_images(validation_fraction=0.2, seed=3)
+    direct = images_module._digits_table()
+    assert np.array_equal(direct[:, :-1], digits.data) and np.array_equal(direct[:, -1], digits.target)
+    monkeypatch.setattr(images_module, "DIGITS_FILE", ("no", "such", "file.csv.gz"))
+    through_load_digits = load_digits_images(validation_fraction=0.2, seed=3)
+    for got, want in zip(through_load_digits, expected, strict=True):
+        assert torch.equal(got.pixels, want.pixels) and torch.equal(got.labels, want.labels)
+    assert through_load_digits.train.class_names == expected.train.class_names == tuple("0123456789")
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
