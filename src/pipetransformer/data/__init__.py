@@ -11,6 +11,8 @@ from pipetransformer.data.batch import (
     DatasetUnavailableError,
     IndexedDataset,
     Item,
+    SampleLimits,
+    at_most,
     held_out_splits,
     seeded_permutation,
     split_off,
@@ -103,25 +105,24 @@ def load_datasets(
         )
     if test_path is not None and name != "text_csv":
         raise ValueError(f"data.test_path is for text_csv; {name} has its test split built in (or in its folder)")
+    limits = SampleLimits(max_train_samples, max_eval_samples, max_test_samples)
     splits: DataSplits[IndexedDataset]
-    if name == "rotten_tomatoes":
+    if name == "rotten_tomatoes":  # text is cut to its limits before it is tokenized
         assert tokenizer is not None
-        splits = load_rotten_tomatoes(tokenizer, max_length, validation_fraction, test_fraction, seed)
-    elif name == "text_csv":
+        return load_rotten_tomatoes(tokenizer, max_length, validation_fraction, test_fraction, seed, limits)
+    if name == "text_csv":
         assert tokenizer is not None and path is not None
-        splits = load_text_csv(path, tokenizer, text_column=text_column, label_column=label_column,
-                               max_length=max_length, validation_fraction=validation_fraction,
-                               test_fraction=test_fraction, seed=seed, test_path=test_path)
-    elif name == "fashion_mnist":
+        return load_text_csv(path, tokenizer, text_column=text_column, label_column=label_column,
+                             max_length=max_length, validation_fraction=validation_fraction,
+                             test_fraction=test_fraction, seed=seed, test_path=test_path, limits=limits)
+    if name == "fashion_mnist":
         splits = load_fashion_mnist(path or FASHION_MNIST_ROOT, validation_fraction, seed)
     elif name == "digits":
         splits = load_digits_images(validation_fraction, test_fraction, seed)
     else:
         assert path is not None
         splits = load_image_folder(path, validation_fraction, test_fraction, seed)
-    return DataSplits(_at_most(splits.train, max_train_samples, seed),
-                      _at_most(splits.validation, max_eval_samples, seed),
-                      _at_most(splits.test, max_test_samples, seed))
+    return at_most(splits, limits, seed)
 
 
 def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> DataSplits[IndexedDataset]:
@@ -140,9 +141,3 @@ def small_split_warnings(splits: DataSplits[IndexedDataset]) -> list[str]:
             for name, split, key in (("validation", splits.validation, "data.validation_fraction"),
                                      ("test", splits.test, "data.test_fraction"))
             if len(split) < MIN_HELD_OUT_ROWS]
-
-
-def _at_most(dataset: IndexedDataset, limit: int | None, seed: int) -> IndexedDataset:
-    if limit is None or limit >= len(dataset):
-        return dataset
-    return dataset.subset(limit, seed)

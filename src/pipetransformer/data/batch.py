@@ -21,6 +21,8 @@ __all__ = [
     "DatasetUnavailableError",
     "IndexedDataset",
     "Item",
+    "SampleLimits",
+    "at_most",
     "held_out_splits",
     "seeded_permutation",
     "split_off",
@@ -163,6 +165,20 @@ class DataSplits(NamedTuple, Generic[D]):
     train: D
     validation: D
     test: D
+
+
+class SampleLimits(NamedTuple):
+    """At most this many rows of each split (``None``: all of it): ``data.max_*_samples``."""
+
+    train: int | None = None
+    validation: int | None = None
+    test: int | None = None
+
+
+def at_most(splits: DataSplits[D], limits: SampleLimits, seed: int) -> DataSplits[D]:
+    """Each split cut to its limit: a ``seed``-ed subset (:meth:`IndexedDataset.subset`)."""
+    return DataSplits(*(part if limit is None or limit >= len(part) else part.subset(limit, seed)
+                        for part, limit in zip(splits, limits, strict=True)))
 
 
 def split_off(dataset: D, fractions: tuple[float, ...], seed: int) -> tuple[D, ...]:
