@@ -151,8 +151,8 @@ class TextDataset(IndexedDataset):
 
 class _TableRows(IndexedDataset):
     """Row numbers of a text table with their labels. Splits and ``data.max_*_samples`` subsets are cut on these,
-    then only the rows kept are tokenized: all of Rotten Tomatoes takes ~1.2 s a process on a 2-core VM, where a
-    run on 256 of its rows needs a fortieth of that. The rows kept, and their order, are those the same cuts of the
+    then only the rows kept are tokenized: all of Rotten Tomatoes takes ~1.5 s a process on a 2-core VM, where a
+    run on 512 of its rows needs a twentieth of that. The rows kept, and their order, are those the same cuts of the
     whole tokenized table give."""
 
     task = "text"
