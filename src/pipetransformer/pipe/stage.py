@@ -12,15 +12,12 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from pipetransformer.models.blocks import Activation, run_blocks
 
-__all__ = ["SCHEDULES", "StageModule", "PipelineRunner"]
+__all__ = ["StageModule", "PipelineRunner"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-"""``pipe.schedule`` values; a step may run GPipe under 1F1B (see ``pipe.planner.step_micro_batches``)."""
 
 
 class StageModule(nn.Module):
@@ -58,13 +55,21 @@ class PipelineRunner:
         self.group = group
         self.loss_fn = loss_fn
         self._schedules: dict[tuple[object, ...], object] = {}
+        # Imported when a pipeline is built (before a run's clock starts), not with this module: ~2 s of a 2-core VM
+        # that processes which never pipeline skip (the launcher's pre-flight child, one worker, replicas alone).
+        from torch.distributed import pipelining
+
+        self._pipelining = pipelining
 
     def _schedule(self, shape_key: tuple[int, ...], micro_batches: int, schedule: str) -> object:
         key = (*shape_key, micro_batches, schedule)
         if key not in self._schedules:
-            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+            schedules = {"gpipe": self._pipelining.ScheduleGPipe,  # a step may run GPipe under 1F1B
+                         "1f1b": self._pipelining.Schedule1F1B}
+            stage = self._pipelining.PipelineStage(self.module, self.stage_index, self.num_stages, self.device,
+                                                   group=self.group)
             # Losses are sums scaled by the global batch, so micro-batch gradients must simply add up.
-            self._schedules[key] = SCHEDULES[schedule](stage, micro_batches, loss_fn=self.loss_fn, scale_grads=False)
+            self._schedules[key] = schedules[schedule](stage, micro_batches, loss_fn=self.loss_fn, scale_grads=False)
         return self._schedules[key]
 
     def step(self, shape_key: tuple[int, ...], micro_batches: int, schedule: str, inputs: Activation | None,
