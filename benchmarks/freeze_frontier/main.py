@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ PLAIN = ("ddp", "single")
 FIXED_DEPTHS = (1, 2, 3, 4)
 GEOMETRIC_ALPHA = 1 / 3
 GEOMETRIC_MAX_FRACTION = 0.84
+DEEP_DEPTH = 12
+DEEP_BACKBONE = "pretrained/vit_fashion_12.pt"
+DEEP_PRETRAIN_EPOCHS = 10
+"""The 12-layer ViT's masked-patch pretraining, as the 6-layer backbone's (``common.TASKS['vit']``)."""
 NO_BUDGET = "pipe.device_memory_gb=null"
 """The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
 VALIDATION, TEST = "validation", "test"
@@ -106,6 +111,7 @@ class FrontierTask:
     seeds: int
     long: bool = False
     backbone_task: str | None = None  # TASKS entry whose pretrained backbone the family fine-tunes
+    deep: bool = False  # the 12-layer ViT on its own backbone (``ensure_deep_backbone``)
 
     def config(self, member: str) -> Path:
         return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
@@ -124,6 +130,18 @@ def fmnist_folder(runs_dir: Path) -> str:
         if not link.exists():
             link.symlink_to(source / name)
     return str(folder)
+
+
+def ensure_deep_backbone(runs_dir: Path) -> None:
+    """Pretrain the 12-layer ViT backbone with ``pipetransformer pretrain`` unless it exists (~30 min on 2 cores)."""
+    if (REPO_ROOT / DEEP_BACKBONE).is_file():
+        return
+    command = [sys.executable, "-m", "pipetransformer.cli", "pretrain", str(CONFIG_DIR / "vit_fashion.yaml"),
+               "--out", DEEP_BACKBONE, "--epochs", str(DEEP_PRETRAIN_EPOCHS), "--set", f"model.vit.depth={DEEP_DEPTH}"]
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with (runs_dir / "pretrain-deep.log").open("w") as log:
+        if subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=False).returncode:
+            raise SystemExit(f"error: pretraining the 12-layer backbone failed; see {runs_dir / 'pretrain-deep.log'}")
 
 
 def frontier_tasks(runs_dir: Path) -> dict[str, FrontierTask]:
@@ -149,10 +167,15 @@ def frontier_tasks(runs_dir: Path) -> dict[str, FrontierTask]:
         "fmnist_full": FrontierTask("fmnist_full", "vit_fashion", (fresh, *images, "data.max_eval_samples=3000",
                                                                    "train.epochs=3"),
                                     seeds=5, long=True, backbone_task="vit"),
+        # a deeper model: no 12-layer pretrained text encoder ships offline, so the built-in ViT at depth 12
+        "vit12": FrontierTask("vit12", "vit_fashion", (fresh, *images, f"model.vit.depth={DEEP_DEPTH}",
+                                                       f"model.path={DEEP_BACKBONE}", "data.max_train_samples=24000",
+                                                       "data.max_eval_samples=3000", "train.epochs=3"),
+                              seeds=5, long=True, deep=True),
     }
 
 
-FRONTIER_TASKS = ("quick", "rotten_tomatoes", "debates", "fashion_mnist", "rt_full", "fmnist_full")
+FRONTIER_TASKS = ("quick", "rotten_tomatoes", "debates", "fashion_mnist", "rt_full", "fmnist_full", "vit12")
 
 
 def combined_se(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]) -> tuple[float, float]:
@@ -302,6 +325,8 @@ def _collect(task: FrontierTask, runs_dir: Path) -> dict[str, dict[int, RunResul
 def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir: Path) -> None:
     if task.backbone_task is not None:
         ensure_backbone(TASKS[task.backbone_task], runs_dir)
+    if task.deep:
+        ensure_deep_backbone(runs_dir)
     for position, seed in enumerate(seeds):
         shift = position % len(arms)
         for name in [*arms[shift:], *arms[:shift]]:  # rotated per seed: a slow phase hits no arm always
