@@ -55,8 +55,6 @@ __all__ = [
 
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
-EVIDENCE_POLICIES = ("coherence", "gradient")
-"""The policies that freeze on evidence, bounded by the learning-rate budget."""
 PRIOR_AUTO, PRIOR_NONE, PRIOR_EMBEDDINGS = "auto", "none", "embeddings"
 PRETRAINED_PRIOR: str | int = PRIOR_EMBEDDINGS
 """What ``freeze.prior: auto`` freezes from the first step of a model loaded with pretrained weights. Pretrained
@@ -134,7 +132,7 @@ def budget_layers(num_layers: int, prior_layers: int, spent: float) -> int:
 
     A layer frozen with a share ``r`` of the learning rate still to come forgoes that share of its updates, so
     freezing deeper only as the run spends its learning rate bounds what any layer can miss: at a third of it
-    spent, a third of the layers above the prior; near the end, all but the last. It needs no tuning to the
+    spent, a third of the layers above the prior; all of them only at the very end. It needs no tuning to the
     model's depth or the run's length."""
     return prior_layers + math.floor((num_layers - prior_layers) * spent + _FLOAT_SLACK)
 
