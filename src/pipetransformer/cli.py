@@ -185,7 +185,7 @@ def _describe_failures(error: Exception) -> str:
 
 
 def _check_in_a_child_process(config: Config, world_size: int) -> None:
-    """:func:`~pipetransformer.planning.check_before_workers` in a short-lived process, which raises its errors
+    """:func:`~pipetransformer.plan.command.check_before_workers` in a short-lived process, which raises its errors
     here: the model it loads leaves with it, where this launcher, waiting out the whole run, would keep the
     allocator's share of it (~140 MB of MiniLM's 90 MB of weights and their profile).
 
@@ -195,7 +195,7 @@ def _check_in_a_child_process(config: Config, world_size: int) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from pipetransformer.planning import check_before_workers
+    from pipetransformer.plan.command import check_before_workers
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(method)) as child:
@@ -245,7 +245,7 @@ def _plan_config(args: argparse.Namespace) -> Config:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pipetransformer.planning import ClusterPlanRequest, cluster_plan_command, plan_command
+    from pipetransformer.plan.command import ClusterPlanRequest, cluster_plan_command, plan_command
     config = _plan_config(args)
     if args.cluster is None:
         _check_before_launch(config, args.nproc_per_node)
@@ -337,11 +337,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipetransformer.data.batch import DatasetUnavailableError
     from pipetransformer.freeze.replay import ReplayError
     from pipetransformer.models.blocks import BlockSplitError
-    from pipetransformer.pipe.cluster import ClusterError
+    from pipetransformer.plan.cluster import ClusterError
     from pipetransformer.pipe.layout import LayoutError
-    from pipetransformer.pipe.model_spec import ModelSpecError
+    from pipetransformer.plan.model_spec import ModelSpecError
     from pipetransformer.pipe.partition import PartitionError
-    from pipetransformer.pipe.runplan import TimelineError
+    from pipetransformer.plan.runplan import TimelineError
     from pipetransformer.train import TrainingDivergedError
     return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,
             PartitionError, ReplayError, ClusterError, ModelSpecError, TimelineError, FileNotFoundError)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.pipe.cluster import (
+from pipetransformer.plan.cluster import (
     CLUSTER_FIELDS,
     PRESETS,
     ClusterError,
@@ -26,7 +26,7 @@ from pipetransformer.pipe.cost import (
     recomputed,
     stage_memory,
 )
-from pipetransformer.pipe.model_spec import (
+from pipetransformer.plan.model_spec import (
     BUILT_IN_MODELS,
     ModelSpec,
     ModelSpecError,

@@ -13,9 +13,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PURE_MODULES = ["pipetransformer.config", "pipetransformer.pipe.cost", "pipetransformer.pipe.partition",
-                "pipetransformer.pipe.layout", "pipetransformer.pipe.planner", "pipetransformer.pipe.cluster",
-                "pipetransformer.pipe.model_spec", "pipetransformer.pipe.simulate", "pipetransformer.pipe.levers",
-                "pipetransformer.pipe.runplan", "pipetransformer.freeze.policies", "pipetransformer.planning"]
+                "pipetransformer.pipe.layout", "pipetransformer.pipe.planner", "pipetransformer.plan.cluster",
+                "pipetransformer.plan.model_spec", "pipetransformer.plan.simulate", "pipetransformer.plan.levers",
+                "pipetransformer.plan.runplan", "pipetransformer.plan.command", "pipetransformer.dp.batch",
+                "pipetransformer.freeze.policies"]
 IMPORT_TIMEOUT_S = 60
 
 

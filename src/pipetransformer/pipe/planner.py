@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipetransformer.config import BYTES_PER_GB, PipeConfig
-from pipetransformer.pipe.cluster import local_cluster
+from pipetransformer.dp.batch import replica_batch, replica_count
 from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
 from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
-from pipetransformer.pipe.levers import LeverSettings, NoLayoutError, choose_levers
+from pipetransformer.plan.levers import LeverSettings, NoLayoutError, fastest_local_fit
 from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
                                             choose_partition_and_micro_batches, compress, counted,
                                             micro_batch_candidates, partition)
@@ -68,11 +68,6 @@ def _fixed_stages(pipe: PipeConfig, world_size: int) -> int:
     return stages
 
 
-def _replica_batch(width: int, batch_size: int, global_batch: Callable[[int], int] | None) -> int:
-    """Each replica's share of the global batch at ``width`` replicas (``dp.batch_policy``; default: ``batch_size``)."""
-    return max(1, (global_batch(width) if global_batch else batch_size) // width)
-
-
 def _budget_bytes(pipe: PipeConfig) -> int:
     if pipe.device_memory_gb is None:
         return math.inf  # type: ignore[return-value]
@@ -103,12 +98,10 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     runnable = len(costs) - cached_blocks
 
     def width_for(stages: int) -> int:
-        if not pipe.enabled or elastic or dp_width is None:
-            return world_size // stages
-        return dp_width
+        return replica_count(world_size, stages, elastic=elastic or not pipe.enabled, initial_width=dp_width)
 
-    def replica_batch(stages: int) -> int:
-        return _replica_batch(width_for(stages), batch_size, global_batch)
+    def batch_of_a_replica(stages: int) -> int:
+        return replica_batch(width_for(stages), batch_size, global_batch)
 
     def held_activations(stages: int) -> tuple[int, int]:
         """(micro-batch size, micro-batches in flight) a stage holds activations for before their backward.
@@ -118,7 +111,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
         batches do not. An "auto" count is taken at its largest candidate here, the one needing the least
         memory, so a stage count fits when any count does; the count itself is chosen below.
         """
-        batch = replica_batch(stages)
+        batch = batch_of_a_replica(stages)
         if stages == 1 or pipe.schedule != ONE_F_ONE_B:
             return batch, 1
         if pipe.micro_batches == "auto":
@@ -155,11 +148,11 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     if stages > 1:
         if pipe.micro_batches == "auto" and pipe.schedule == ONE_F_ONE_B:
             part, chosen = choose_partition_and_micro_batches(
-                costs, states, stages, replica_batch(stages), memory_budget_bytes=budget, link=link,
+                costs, states, stages, batch_of_a_replica(stages), memory_budget_bytes=budget, link=link,
                 per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
             micro = chosen.num_micro_batches
         elif pipe.micro_batches == "auto":
-            micro = choose_micro_batches(part, replica_batch(stages),
+            micro = choose_micro_batches(part, batch_of_a_replica(stages),
                                          per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S).num_micro_batches
         else:
             micro = int(pipe.micro_batches)
@@ -173,20 +166,17 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
                       precision: Precision, touched_rows_only: bool) -> LayoutPlan:
     """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
     config checks that AutoPipe is on and that the replicas are world / stages: AutoDP on, or the stages fixed)."""
-    cluster = local_cluster(world_size, memory_gb=pipe.device_memory_gb,
-                            link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
-                            flops_per_second=math.inf,  # never read: the block costs are given
-                            micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
     stage_counts = None if pipe.stages == "auto" else (_fixed_stages(pipe, world_size),)
     settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
                              micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
                              precisions=(precision,), recompute=True, stage_counts=stage_counts,
                              touched_rows_only=touched_rows_only)
-
     try:
-        chosen = choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                               replica_batch=lambda replicas: _replica_batch(replicas, batch_size, global_batch),
-                               settings=settings).chosen
+        chosen = fastest_local_fit(costs, world_size, settings, memory_gb=pipe.device_memory_gb,
+                                   link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
+                                   micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S, frozen_blocks=frozen_blocks,
+                                   cached_blocks=cached_blocks,
+                                   replica_batch=lambda replicas: replica_batch(replicas, batch_size, global_batch))
     except NoLayoutError as error:
         raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for "
                              f"{counted(world_size, 'worker')}: {error}") from None

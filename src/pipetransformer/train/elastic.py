@@ -19,11 +19,10 @@ import torch.distributed as dist
 from pipetransformer.config import BYTES_PER_MIB, DPConfig, PipeConfig
 from pipetransformer.data.sampler import ElasticSampler
 from pipetransformer.distributed import DistEnv, gather_floats, new_groups
-from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
+from pipetransformer.dp.batch import global_batch, lr_scale
+from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, hand_over, transfer_blocks
 from pipetransformer.dp.sync import GradientSync, row_summed_tables
-from pipetransformer.faults import maybe_fail
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.layout import transfer_plan
 from pipetransformer.pipe.planner import LayoutPlan, plan_layout
 from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimate_block_costs
 from pipetransformer.train.build import example_inputs
@@ -34,7 +33,6 @@ __all__ = ["ElasticLayout", "Placement", "UNIFORM_COST"]
 
 UNIFORM_COST = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0)
 """Every block's cost without AutoPipe: one stage holds them all, so only their count matters."""
-KEEP_PER_PIPELINE = "keep_per_pipeline"
 
 
 @dataclass(frozen=True)
@@ -61,13 +59,6 @@ class Placement:
         """This replica's contiguous share of a global batch."""
         assert self.replica is not None
         return ElasticSampler.split_for_replica(global_batch, self.plan.layout.dp_width, self.replica)
-
-
-@dataclass(frozen=True)
-class _HeldBlocks:
-    """A plan's stages as the blocks their ranks hold, the prefix included: what a handover must move."""
-
-    bounds: list[tuple[int, int]]
 
 
 class ElasticLayout:
@@ -113,17 +104,15 @@ class ElasticLayout:
                            precision=self.precision, touched_rows_only=self.dp.touched_rows_only)
 
     def global_batch(self, width: int | None = None) -> int:
-        """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it
-        started with, so the global batch grows with the width (default: the current one)."""
+        """The global batch at ``width`` replicas (default: the current width) under ``dp.batch_policy``
+        (:func:`pipetransformer.dp.batch.global_batch`)."""
         if width is None:
             width = self.plan.layout.dp_width
-        if self.dp.batch_policy == KEEP_PER_PIPELINE and self.initial_width:
-            return self.batch_size * width // self.initial_width
-        return self.batch_size
+        return global_batch(self.batch_size, width, self.initial_width, self.dp.batch_policy)
 
     def lr_scale(self) -> float:
         """Linear scaling rule when the global batch grows with the width (keep_per_pipeline)."""
-        return self.global_batch() / self.batch_size
+        return lr_scale(self.batch_size, self.plan.layout.dp_width, self.initial_width, self.dp.batch_policy)
 
     def transition(self, plan: LayoutPlan, optimizer: HeldOptimizer) -> dict[str, Any] | None:
         """Make ``plan`` the layout (every rank must call): hand blocks over to their new owners, rebuild the
@@ -135,12 +124,7 @@ class ElasticLayout:
         received: OptimizerState = {}
         moved = 0
         if previous is not None and self.env.distributed:
-            transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
-                _HeldBlocks(previous.plan.held_bounds()), previous.plan.layout, _HeldBlocks(plan.held_bounds()),
-                plan.layout)]
-            moved = len(transfers)
-            maybe_fail("handover", rank)
-            received = transfer_blocks(self.model, transfers, optimizer.optimizer, rank)
+            received, moved = hand_over(self.model, previous.plan, plan, optimizer.optimizer, rank)
         self._destroy_groups()
         if self.env.distributed:
             self.pipe_group = new_groups(plan.layout.all_pipeline_groups(), rank)

@@ -1,7 +1,7 @@
 """A whole run, predicted: the layout PipeTransformer follows as layers freeze, against a static baseline.
 
 A freeze timeline (how many leading layers are frozen from which point of training on) cuts the run
-into phases; each phase gets its own lever choice (:func:`~pipetransformer.pipe.levers.choose_levers`).
+into phases; each phase gets its own lever choice (:func:`~pipetransformer.plan.levers.choose_levers`).
 With the cache on, the epoch after a freeze still runs the newly frozen layers forward once per sample
 (the cache advances each entry through them at its next visit) and only then serves the whole prefix.
 The static baseline (Pipe + DDP, nothing frozen, nothing cached) runs one layout throughout; the
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.freeze.policies import GeometricPolicy, frozen_blocks, frozen_prefix_layers
-from pipetransformer.pipe.cluster import Cluster
+from pipetransformer.plan.cluster import Cluster
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
+from pipetransformer.plan.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
 
 __all__ = [
     "BatchPolicy",

@@ -6,8 +6,8 @@ predicted bubble and step time.
 
 With ``--cluster`` it predicts a whole run instead, on a cluster preset or description (or ``local``,
 this machine as profiled): the layout at every phase of a freeze timeline, chosen among more stages,
-recomputation and bf16 (:mod:`pipetransformer.pipe.levers`), each phase's step simulated
-(:mod:`pipetransformer.pipe.simulate`), the alternatives rejected and why, and the speed-up over the
+recomputation and bf16 (:mod:`pipetransformer.plan.levers`), each phase's step simulated
+(:mod:`pipetransformer.plan.simulate`), the alternatives rejected and why, and the speed-up over the
 static Pipe+DDP baseline.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.config import BYTES_PER_GB, Config, ConfigError
-from pipetransformer.pipe.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from pipetransformer.dp.batch import KEEP_PER_PIPELINE
+from pipetransformer.plan.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -29,11 +30,11 @@ from pipetransformer.pipe.cost import (
     BlockWork,
     Precision,
 )
-from pipetransformer.pipe.levers import Candidate, LeverSettings
-from pipetransformer.pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
+from pipetransformer.plan.levers import Candidate, LeverSettings
+from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
 from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_time
 from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, block_states, plan_layout
-from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
+from pipetransformer.plan.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
 __all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command", "cluster_run_plan",
            "plan_command", "plan_report", "profiled_costs"]
@@ -259,7 +260,7 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
     epochs = request.epochs if request.epochs is not None else float(config.train.epochs)
     plan = plan_run(costs, cluster, num_layers=num_layers, timeline=_timeline(config, request, num_layers, epochs),
                     epochs=epochs, settings=settings, baseline_settings=baseline,
-                    batch=BatchPolicy(config.train.batch_size, config.dp.batch_policy == "keep_per_pipeline"),
+                    batch=BatchPolicy(config.train.batch_size, config.dp.batch_policy == KEEP_PER_PIPELINE),
                     cache=config.cache.enabled, cache_min_frozen=config.cache.min_frozen)
     return plan, cluster, spec, settings
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.pipe.cluster import GIGA, Device
+from pipetransformer.plan.cluster import GIGA, Device
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
