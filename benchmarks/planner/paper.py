@@ -37,7 +37,7 @@ from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, SGD_MOMENTUM_STATE_FAC
 from pipetransformer.plan.levers import LeverSettings  # noqa: E402
 from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec  # noqa: E402
 from pipetransformer.plan.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run  # noqa: E402
-from pipetransformer.plan.command import USABLE_MEMORY_FRACTION  # noqa: E402
+from pipetransformer.config import USABLE_MEMORY_FRACTION  # noqa: E402
 
 README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = "- Paper settings: `.venv/bin/python benchmarks/planner/paper.py` (analytical, seconds)"

@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import tempfile
-from datetime import datetime
 from pathlib import Path
 
 from pipetransformer.config import RESUME_AUTO, Config, ConfigError, load_config
@@ -110,12 +109,12 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def _check_stage_count(stages: int, world_size: int) -> None:
-    from pipetransformer.pipe.layout import valid_stage_counts  # imports torch: not for mistakes in the config itself
+    from pipetransformer.pipe.layout import LayoutError, check_stage_count
 
-    allowed = valid_stage_counts(world_size)
-    if stages not in allowed:
-        raise ConfigError(f"pipe.stages={stages} does not divide the {world_size} workers: set pipe.stages to one "
-                          f"of {', '.join(map(str, allowed))} or auto, or change --nproc-per-node")
+    try:
+        check_stage_count(stages, world_size)
+    except LayoutError as error:  # a mistake in the config itself: reported as one, before torch is imported
+        raise ConfigError(str(error)) from None
 
 
 def _check_before_launch(config: Config, world_size: int) -> None:
@@ -214,8 +213,7 @@ def _train(args: argparse.Namespace) -> int:
 
         check_is_a_checkpoint(Path(config.checkpoint.resume))
     if config.run.dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
+        overrides.append(f"run.dir={config.run.resolved_dir()}")
     if args.nproc_per_node > 1 and not _under_torchrun():
         from pipetransformer.distributed import worker_threads
 

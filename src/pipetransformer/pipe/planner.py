@@ -6,21 +6,21 @@ Pure, so ``pipetransformer plan`` and every training rank compute the same plan 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipetransformer.config import BYTES_PER_GB, PipeConfig
+from pipetransformer.config import BYTES_PER_GB, DPConfig, PipeConfig
 from pipetransformer.dp.batch import replica_batch, replica_count
 from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
-from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
+from pipetransformer.pipe.layout import Layout, check_stage_count
 from pipetransformer.plan.levers import LeverSettings, NoLayoutError, fastest_local_fit
 from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
                                             choose_partition_and_micro_batches, compress, counted,
                                             micro_batch_candidates, partition)
 
-__all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
+__all__ = ["LayoutPlan", "PlanRequest", "plan_layout", "plan_request", "block_states", "step_micro_batches",
+           "PER_MICROBATCH_OVERHEAD_S"]
 
 PER_MICROBATCH_OVERHEAD_S = 1e-3
 """Cost of one micro-batch per stage beyond its blocks' own costs per call (schedule bookkeeping, p2p latency), a
@@ -62,16 +62,34 @@ class LayoutPlan:
 def _fixed_stages(pipe: PipeConfig, world_size: int) -> int:
     """``pipe.stages`` when it is a number, checked against the world."""
     stages = int(pipe.stages)
-    if stages not in valid_stage_counts(world_size):
-        raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
-                          f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+    check_stage_count(stages, world_size)
     return stages
 
 
-def _budget_bytes(pipe: PipeConfig) -> int:
-    if pipe.device_memory_gb is None:
-        return math.inf  # type: ignore[return-value]
-    return int(pipe.device_memory_gb * BYTES_PER_GB)
+@dataclass(frozen=True)
+class PlanRequest:
+    """What AutoPipe plans a layout from, besides block costs and the freeze state: a config's settings, read once
+    by :func:`plan_request` for the trainer and the ``plan`` command alike."""
+
+    pipe: PipeConfig
+    elastic: bool  # dp.enabled: the workers a compression frees become replicas
+    batch_size: int  # train.batch_size: the global batch at the starting width
+    precision: Precision  # train.precision: what the block costs are in
+    touched_rows_only: bool  # dp.touched_rows_only: how replicas sum vocabulary tables
+
+    def plan(self, costs: list[BlockCost], world_size: int, *, frozen_blocks: int, cached_blocks: int,
+             dp_width: int | None = None, global_batch: Callable[[int], int] | None = None) -> LayoutPlan:
+        """:func:`plan_layout` of these settings for a freeze state (``dp_width``, ``global_batch``: the run's)."""
+        return plan_layout(self.pipe, costs, world_size, elastic=self.elastic, batch_size=self.batch_size,
+                           frozen_blocks=frozen_blocks, cached_blocks=cached_blocks, dp_width=dp_width,
+                           global_batch=global_batch, precision=self.precision,
+                           touched_rows_only=self.touched_rows_only)
+
+
+def plan_request(pipe: PipeConfig, dp: DPConfig, batch_size: int, precision: Precision) -> PlanRequest:
+    """The planner's request from a config's sections (``train.batch_size``, ``train.precision``)."""
+    return PlanRequest(pipe, elastic=dp.enabled, batch_size=batch_size, precision=precision,
+                       touched_rows_only=dp.touched_rows_only)
 
 
 def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, elastic: bool, batch_size: int,
@@ -94,7 +112,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
                                  touched_rows_only=touched_rows_only)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(pipe.link_bandwidth_gbps * BYTES_PER_GB)
-    budget = _budget_bytes(pipe)
+    budget = pipe.memory_budget_bytes()
     runnable = len(costs) - cached_blocks
 
     def width_for(stages: int) -> int:
@@ -167,7 +185,7 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
     """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
     config checks that AutoPipe is on and that the replicas are world / stages: AutoDP on, or the stages fixed)."""
     stage_counts = None if pipe.stages == "auto" else (_fixed_stages(pipe, world_size),)
-    settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
+    settings = LeverSettings(memory_budget_bytes=pipe.memory_budget_bytes(), schedule=pipe.schedule,
                              micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
                              precisions=(precision,), recompute=True, stage_counts=stage_counts,
                              touched_rows_only=touched_rows_only)

@@ -23,7 +23,7 @@ from pipetransformer.dp.batch import global_batch, lr_scale
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, hand_over, transfer_blocks
 from pipetransformer.dp.sync import GradientSync, row_summed_tables
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.planner import LayoutPlan, plan_layout
+from pipetransformer.pipe.planner import LayoutPlan, plan_request
 from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimate_block_costs
 from pipetransformer.train.build import example_inputs
 from pipetransformer.train.optimizer import HeldOptimizer, OptimizerState
@@ -72,7 +72,7 @@ class ElasticLayout:
         self.pipe = pipe
         self.dp = dp
         self.batch_size = batch_size  # train.batch_size: the global batch at the starting width
-        self.precision = precision  # train.precision: what the profiled costs were measured in
+        self.request = plan_request(pipe, dp, batch_size, precision)  # train.precision: what costs are measured in
         self.initial_width: int | None = None  # set by the first layout (or a resume on as many workers)
         self._placement: Placement | None = None
         self.executor: StepExecutor | None = None  # None on idle ranks
@@ -98,10 +98,9 @@ class ElasticLayout:
 
     def plan_for(self, frozen_blocks: int, cached_blocks: int) -> LayoutPlan:
         """AutoPipe's layout for this freeze state; with AutoDP its width is what the stages leave."""
-        return plan_layout(self.pipe, self.costs(), self.env.world_size, elastic=self.dp.enabled,
-                           batch_size=self.batch_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                           dp_width=self.initial_width, global_batch=self.global_batch,
-                           precision=self.precision, touched_rows_only=self.dp.touched_rows_only)
+        return self.request.plan(self.costs(), self.env.world_size, frozen_blocks=frozen_blocks,
+                                 cached_blocks=cached_blocks, dp_width=self.initial_width,
+                                 global_batch=self.global_batch)
 
     def global_batch(self, width: int | None = None) -> int:
         """The global batch at ``width`` replicas (default: the current width) under ``dp.batch_policy``
