@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,10 @@ from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimat
 from pipetransformer.train.build import example_inputs
 from pipetransformer.train.optimizer import HeldOptimizer, OptimizerState
 from pipetransformer.train.step import LocalStep, PipelineStep, StepContext, StepExecutor
+
+if TYPE_CHECKING:  # both import this module
+    from pipetransformer.train.autofreeze import AutoFreeze
+    from pipetransformer.train.state import Progress
 
 __all__ = ["ElasticLayout", "Placement", "UNIFORM_COST"]
 
@@ -101,6 +105,18 @@ class ElasticLayout:
         return self.request.plan(self.costs(), self.env.world_size, frozen_blocks=frozen_blocks,
                                  cached_blocks=cached_blocks, dp_width=self.initial_width,
                                  global_batch=self.global_batch)
+
+    def follow(self, freezer: AutoFreeze, optimizer: HeldOptimizer, progress: Progress) -> None:
+        """Plan the layout for the freezer's frozen prefix (served by the cache as far as it can), move the run to it
+        (:meth:`transition`), and record it in ``progress``: the layout history, and a transition's cost."""
+        frozen_layers = freezer.prefix_layers()
+        plan = self.plan_for(freezer.prefix_blocks(), self.context.prefix.cached_blocks(frozen_layers))
+        transition = self.transition(plan, optimizer)
+        step, described = progress.step, plan.describe()
+        progress.layout_history.append({"step": step, "frozen_layers": len(freezer.frozen),
+                                        "frozen_prefix_layers": freezer.prefix_layers(), **described})
+        if transition is not None:
+            progress.transitions.append({"step": step, **transition, **described})
 
     def global_batch(self, width: int | None = None) -> int:
         """The global batch at ``width`` replicas (default: the current width) under ``dp.batch_policy``
