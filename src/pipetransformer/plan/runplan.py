@@ -10,14 +10,13 @@ speed-up is the baseline's time over the sum of the phases' times for the same s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pipetransformer.freeze.policies import GeometricPolicy, frozen_blocks, frozen_prefix_layers
-from pipetransformer.plan.cluster import Cluster
+from pipetransformer.plan.cluster import Cluster, read_json_file
 from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.plan.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
 
@@ -87,13 +86,8 @@ def timeline_from_summary(summary: Mapping[str, Any], source: str = SUMMARY_FILE
 def read_timeline(path: Path) -> list[FreezePoint]:
     """The timeline of a run directory or of its ``summary.json``."""
     file = path / SUMMARY_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise TimelineError(f"--freeze {path}: no {SUMMARY_FILE} there: give a finished run's directory, its "
-                            "summary.json, or 'geometric'")
-    try:
-        summary = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise TimelineError(f"{file}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    summary = read_json_file(file, TimelineError, f"--freeze {path}: no {SUMMARY_FILE} there: give a finished run's "
+                             "directory, its summary.json, or 'geometric'")
     return timeline_from_summary(summary, str(file))
 
 
