@@ -335,10 +335,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipetransformer.data.batch import DatasetUnavailableError
     from pipetransformer.freeze.replay import ReplayError
     from pipetransformer.models.blocks import BlockSplitError
-    from pipetransformer.plan.cluster import ClusterError
     from pipetransformer.pipe.layout import LayoutError
-    from pipetransformer.plan.model_spec import ModelSpecError
     from pipetransformer.pipe.partition import PartitionError
+    from pipetransformer.plan.cluster import ClusterError
+    from pipetransformer.plan.model_spec import ModelSpecError
     from pipetransformer.plan.runplan import TimelineError
     from pipetransformer.train import TrainingDivergedError
     return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,

@@ -14,10 +14,10 @@ from pipetransformer.config import BYTES_PER_GB, DPConfig, PipeConfig
 from pipetransformer.dp.batch import replica_batch, replica_count
 from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
 from pipetransformer.pipe.layout import Layout, check_stage_count
-from pipetransformer.plan.levers import LeverSettings, NoLayoutError, fastest_local_fit
 from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
                                             choose_partition_and_micro_batches, compress, counted,
                                             micro_batch_candidates, partition)
+from pipetransformer.plan.levers import LeverSettings, NoLayoutError, fastest_local_fit
 
 __all__ = ["LayoutPlan", "PlanRequest", "plan_layout", "plan_request", "block_states", "step_micro_batches",
            "PER_MICROBATCH_OVERHEAD_S"]

@@ -21,7 +21,6 @@ from typing import Any
 
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.dp.batch import KEEP_PER_PIPELINE
-from pipetransformer.plan.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -30,10 +29,11 @@ from pipetransformer.pipe.cost import (
     BlockWork,
     Precision,
 )
-from pipetransformer.plan.levers import Candidate, LeverSettings
-from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
 from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_time
 from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, block_states, plan_request
+from pipetransformer.plan.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from pipetransformer.plan.levers import Candidate, LeverSettings
+from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
 from pipetransformer.plan.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
 __all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command", "cluster_run_plan",

@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipetransformer.plan.cluster import Cluster, local_cluster
 from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, BlockCost, BlockState, Precision, block_states, recomputed
 from pipetransformer.pipe.layout import valid_stage_counts
 from pipetransformer.pipe.partition import (
@@ -30,6 +29,7 @@ from pipetransformer.pipe.partition import (
     predict_step_time,
     readable_bytes,
 )
+from pipetransformer.plan.cluster import Cluster, local_cluster
 from pipetransformer.plan.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
 
 __all__ = [

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.plan.cluster import GIGA, Device, read_json_file
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -23,6 +22,7 @@ from pipetransformer.pipe.cost import (
     analytic_work,
     costs_from_work,
 )
+from pipetransformer.plan.cluster import GIGA, Device, read_json_file
 
 __all__ = ["BUILT_IN_MODELS", "ModelSpec", "ModelSpecError", "load_model_spec", "model_from_hf_config"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.freeze.policies import GeometricPolicy, frozen_blocks, frozen_prefix_layers
-from pipetransformer.plan.cluster import Cluster, read_json_file
 from pipetransformer.pipe.cost import BlockCost, Precision
+from pipetransformer.plan.cluster import Cluster, read_json_file
 from pipetransformer.plan.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
 
 __all__ = [
