@@ -53,7 +53,8 @@ from pipetransformer.pipe.partition import (
     predict_step_time,
 )
 
-_TORCH_NAMES = {"broadcast_costs": "pipetransformer.pipe.profile", "profile_blocks": "pipetransformer.pipe.profile"}
+_PROFILE = "pipetransformer.pipe.profile"
+_TORCH_NAMES = {"broadcast_costs": _PROFILE, "profile_blocks": _PROFILE}
 """Re-exported names whose modules import torch: loaded by :func:`__getattr__` when first asked for."""
 
 

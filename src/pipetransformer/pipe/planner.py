@@ -102,8 +102,9 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     (``dp.enabled``) the freed ranks become replicas (width = world / stages); without it the width stays
     ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
     ``global_batch`` gives the global batch for a width (``dp.batch_policy``); default: ``batch_size``.
-    With ``pipe.recompute`` the lever planner (:func:`.levers.choose_levers`) weighs stages against
-    recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in ``precision``, and
+    With ``pipe.recompute`` the offline predictor (:func:`pipetransformer.plan.levers.fastest_local_fit`) weighs
+    stages against recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in
+    ``precision``, and
     ``touched_rows_only`` (``dp.touched_rows_only``) says how replicas sum vocabulary tables.
     """
     if pipe.recompute:
