@@ -132,5 +132,6 @@ def test_applying_the_plan_gives_every_owner_its_blocks(case: ReLayout) -> None:
 
 def test_a_fixed_stage_count_must_divide_the_workers() -> None:
     check_stage_count(2, 4)
-    with pytest.raises(LayoutError, match=r"pipe.stages=3 does not divide the 4 workers: set pipe.stages to one of 1, 2, 4"):
+    with pytest.raises(LayoutError, match="pipe.stages=3 does not divide the 4 workers: set pipe.stages to one of "
+                                          "1, 2, 4"):
         check_stage_count(3, 4)

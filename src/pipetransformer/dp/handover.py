@@ -30,7 +30,8 @@ from pipetransformer.pipe.layout import transfer_plan
 if TYPE_CHECKING:
     from pipetransformer.pipe.planner import LayoutPlan
 
-__all__ = ["BlockTransfer", "hand_over", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state", "place_state",
+__all__ = ["BlockTransfer", "hand_over", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state",
+           "place_state",
            "state_tensors"]
 
 @dataclass(frozen=True)
