@@ -51,19 +51,19 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
 import torch  # noqa: E402
 
 from pipetransformer.config import Config, load_config  # noqa: E402
-from pipetransformer.pipe.cluster import Cluster, local_cluster  # noqa: E402
 from pipetransformer.pipe.cost import BlockCost  # noqa: E402
-from pipetransformer.pipe.levers import LeverSettings, simulate_layout  # noqa: E402
+from pipetransformer.pipe.partition import PartitionError  # noqa: E402
+from pipetransformer.pipe.planner import plan_layout  # noqa: E402
 from pipetransformer.pipe.profile import (  # noqa: E402
     PROFILE_BATCH,
     PROFILE_REPEATS,
     PROFILE_WARMUP,
     SMALL_BATCH_DIVISOR,
 )
-from pipetransformer.pipe.partition import PartitionError  # noqa: E402
-from pipetransformer.pipe.planner import plan_layout  # noqa: E402
-from pipetransformer.pipe.simulate import optimizer_step_bytes  # noqa: E402
-from pipetransformer.planning import optimizer_state_factor, profiled_costs  # noqa: E402
+from pipetransformer.plan.cluster import Cluster, local_cluster  # noqa: E402
+from pipetransformer.plan.command import optimizer_state_factor, profiled_costs  # noqa: E402
+from pipetransformer.plan.levers import LeverSettings, simulate_layout  # noqa: E402
+from pipetransformer.plan.simulate import optimizer_step_bytes  # noqa: E402
 
 README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = "- This machine: `.venv/bin/python benchmarks/planner/local.py` (7 training launches, ~20 min)"

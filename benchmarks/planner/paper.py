@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import markdown_table, replace_section  # noqa: E402 - the shared helper lives one folder up
 
-from pipetransformer.pipe.cluster import (  # noqa: E402
+from pipetransformer.config import USABLE_MEMORY_FRACTION  # noqa: E402
+from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, SGD_MOMENTUM_STATE_FACTOR, Precision  # noqa: E402
+from pipetransformer.plan.cluster import (  # noqa: E402
     COMPUTE_EFFICIENCY,
     GPU_MICRO_BATCH_OVERHEAD_MS,
     LINK_EFFICIENCY,
@@ -33,11 +35,9 @@ from pipetransformer.pipe.cluster import (  # noqa: E402
     PRESETS,
     cluster_from_mapping,
 )
-from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, SGD_MOMENTUM_STATE_FACTOR, Precision  # noqa: E402
-from pipetransformer.pipe.levers import LeverSettings  # noqa: E402
-from pipetransformer.pipe.model_spec import BUILT_IN_MODELS, ModelSpec  # noqa: E402
-from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run  # noqa: E402
-from pipetransformer.planning import USABLE_MEMORY_FRACTION  # noqa: E402
+from pipetransformer.plan.levers import LeverSettings  # noqa: E402
+from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec  # noqa: E402
+from pipetransformer.plan.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run  # noqa: E402
 
 README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = "- Paper settings: `.venv/bin/python benchmarks/planner/paper.py` (analytical, seconds)"

@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import tempfile
-from datetime import datetime
 from pathlib import Path
 
 from pipetransformer.config import RESUME_AUTO, Config, ConfigError, load_config
@@ -110,12 +109,12 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def _check_stage_count(stages: int, world_size: int) -> None:
-    from pipetransformer.pipe.layout import valid_stage_counts  # imports torch: not for mistakes in the config itself
+    from pipetransformer.pipe.layout import LayoutError, check_stage_count
 
-    allowed = valid_stage_counts(world_size)
-    if stages not in allowed:
-        raise ConfigError(f"pipe.stages={stages} does not divide the {world_size} workers: set pipe.stages to one "
-                          f"of {', '.join(map(str, allowed))} or auto, or change --nproc-per-node")
+    try:
+        check_stage_count(stages, world_size)
+    except LayoutError as error:  # a mistake in the config itself: reported as one, before torch is imported
+        raise ConfigError(str(error)) from None
 
 
 def _check_before_launch(config: Config, world_size: int) -> None:
@@ -185,7 +184,7 @@ def _describe_failures(error: Exception) -> str:
 
 
 def _check_in_a_child_process(config: Config, world_size: int) -> None:
-    """:func:`~pipetransformer.planning.check_before_workers` in a short-lived process, which raises its errors
+    """:func:`~pipetransformer.plan.command.check_before_workers` in a short-lived process, which raises its errors
     here: the model it loads leaves with it, where this launcher, waiting out the whole run, would keep the
     allocator's share of it (~140 MB of MiniLM's 90 MB of weights and their profile).
 
@@ -195,7 +194,7 @@ def _check_in_a_child_process(config: Config, world_size: int) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from pipetransformer.planning import check_before_workers
+    from pipetransformer.plan.command import check_before_workers
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(method)) as child:
@@ -214,8 +213,7 @@ def _train(args: argparse.Namespace) -> int:
 
         check_is_a_checkpoint(Path(config.checkpoint.resume))
     if config.run.dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        overrides.append(f"run.dir={Path('runs') / f'{config.run.name}-{stamp}'}")
+        overrides.append(f"run.dir={config.run.resolved_dir()}")
     if args.nproc_per_node > 1 and not _under_torchrun():
         from pipetransformer.distributed import worker_threads
 
@@ -245,7 +243,7 @@ def _plan_config(args: argparse.Namespace) -> Config:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pipetransformer.planning import ClusterPlanRequest, cluster_plan_command, plan_command
+    from pipetransformer.plan.command import ClusterPlanRequest, cluster_plan_command, plan_command
     config = _plan_config(args)
     if args.cluster is None:
         _check_before_launch(config, args.nproc_per_node)
@@ -337,11 +335,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipetransformer.data.batch import DatasetUnavailableError
     from pipetransformer.freeze.replay import ReplayError
     from pipetransformer.models.blocks import BlockSplitError
-    from pipetransformer.pipe.cluster import ClusterError
     from pipetransformer.pipe.layout import LayoutError
-    from pipetransformer.pipe.model_spec import ModelSpecError
     from pipetransformer.pipe.partition import PartitionError
-    from pipetransformer.pipe.runplan import TimelineError
+    from pipetransformer.plan.cluster import ClusterError
+    from pipetransformer.plan.model_spec import ModelSpecError
+    from pipetransformer.plan.runplan import TimelineError
     from pipetransformer.train import TrainingDivergedError
     return (CheckpointError, TrainingDivergedError, ConfigError, DatasetUnavailableError, BlockSplitError, LayoutError,
             PartitionError, ReplayError, ClusterError, ModelSpecError, TimelineError, FileNotFoundError)

@@ -12,6 +12,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +30,11 @@ UNWINDOWED = ("schedule", "none")
 LEARNED_BY = ("any_layer", "layer")
 """Whose window of learning starts a layer's coherence test: any layer's (the default), or its own."""
 PERCENT = 100.0
+USABLE_MEMORY_FRACTION = 0.9
+"""Share of a device's memory a plan fills when ``pipe.device_memory_gb`` is unset; the rest is an assumed allowance
+for the CUDA context, allocator fragmentation and communication buffers."""
+RUNS_DIR = "runs"
+DEFAULT_RUN_NAME = "run"
 
 
 class ConfigError(ValueError):
@@ -62,6 +68,11 @@ class RunConfig:
     save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
+
+    def resolved_dir(self) -> str:
+        """``dir``, or ``runs/<name>-<time>``: named once, by the launcher for its workers or by rank 0 alone."""
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        return self.dir or str(Path(RUNS_DIR) / f"{self.name or DEFAULT_RUN_NAME}-{stamp}")
 
 
 @dataclass
@@ -205,6 +216,14 @@ class PipeConfig:
     link_bandwidth_gbps: float = 10.0  # stage-to-stage bandwidth assumed by the cost model (GB/s)
     profile: bool = True  # measure block costs on the device (per sample and per call); false = analytical estimate
     recompute: bool = False  # the planner may recompute chosen blocks' activations in backward to fit device_memory_gb, when predicted faster than another stage
+
+    def memory_budget_bytes(self, device_memory_bytes: float = math.inf) -> float:
+        """What a plan may fill on one device: ``device_memory_gb``, or unset :data:`USABLE_MEMORY_FRACTION` of the
+        device's memory, where that is known (``plan --cluster``); a run's workers do not know it, so unset is no
+        limit there. The one reading of the setting, for the trainer's planner and the ``plan`` command."""
+        if self.device_memory_gb is None:
+            return device_memory_bytes * USABLE_MEMORY_FRACTION
+        return int(self.device_memory_gb * BYTES_PER_GB)
 
 
 @dataclass

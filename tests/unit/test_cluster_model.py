@@ -8,14 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.pipe.cluster import (
-    CLUSTER_FIELDS,
-    PRESETS,
-    ClusterError,
-    calibrated_flops,
-    cluster_from_mapping,
-    load_cluster,
-)
 from pipetransformer.pipe.cost import (
     BlockCost,
     BlockState,
@@ -26,14 +18,22 @@ from pipetransformer.pipe.cost import (
     recomputed,
     stage_memory,
 )
-from pipetransformer.pipe.model_spec import (
+from pipetransformer.pipe.profile import ANALYTIC_FLOPS_PER_SECOND
+from pipetransformer.plan.cluster import (
+    CLUSTER_FIELDS,
+    PRESETS,
+    ClusterError,
+    calibrated_flops,
+    cluster_from_mapping,
+    load_cluster,
+)
+from pipetransformer.plan.model_spec import (
     BUILT_IN_MODELS,
     ModelSpec,
     ModelSpecError,
     load_model_spec,
     model_from_hf_config,
 )
-from pipetransformer.pipe.profile import ANALYTIC_FLOPS_PER_SECOND
 
 A = BlockState.ACTIVE
 VIT_B16_PARAMS = 86_567_656

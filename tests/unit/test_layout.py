@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetransformer.pipe.layout import Layout, LayoutError, Transfer, block_owners, transfer_plan, valid_stage_counts
+from pipetransformer.pipe.layout import (Layout, LayoutError, Transfer, block_owners, check_stage_count, transfer_plan,
+                                         valid_stage_counts)
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,10 @@ def test_applying_the_plan_gives_every_owner_its_blocks(case: ReLayout) -> None:
     for block, owners in block_owners(new, new_layout).items():
         assert all(block in held[rank] for rank in owners)
     assert len({(t.block, t.dst_rank) for t in plan}) == len(plan)
+
+
+def test_a_fixed_stage_count_must_divide_the_workers() -> None:
+    check_stage_count(2, 4)
+    with pytest.raises(LayoutError, match="pipe.stages=3 does not divide the 4 workers: set pipe.stages to one of "
+                                          "1, 2, 4"):
+        check_stage_count(3, 4)

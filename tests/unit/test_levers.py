@@ -11,11 +11,11 @@ import pytest
 
 from pipetransformer.cli import main
 from pipetransformer.dp.sync import DEFAULT_BUCKET_BYTES
-from pipetransformer.pipe.cluster import PRESETS, cluster_from_mapping
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.levers import GRADIENT_BUCKET_BYTES, LeverSettings, choose_levers, recompute_set
 from pipetransformer.pipe.partition import PartitionError
-from pipetransformer.pipe.runplan import (
+from pipetransformer.plan.cluster import PRESETS, cluster_from_mapping
+from pipetransformer.plan.levers import GRADIENT_BUCKET_BYTES, LeverSettings, choose_levers, recompute_set
+from pipetransformer.plan.runplan import (
     BatchPolicy,
     FreezePoint,
     TimelineError,

@@ -10,7 +10,7 @@ import torch
 
 from pipetransformer.config import DistConfig, load_config
 from pipetransformer.distributed import worker_threads
-from pipetransformer.planning import profiled_costs
+from pipetransformer.plan.command import profiled_costs
 
 TINY_VIT = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
-from pipetransformer.config import load_config
-from pipetransformer.pipe.cost import BlockCost
+from pipetransformer.config import PipeConfig, load_config
+from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.pipe.partition import PartitionError, micro_batch_candidates, predict_step_time
-from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, plan_layout, step_micro_batches
+from pipetransformer.pipe.planner import (PER_MICROBATCH_OVERHEAD_S, LayoutPlan, plan_layout, plan_request,
+                                          step_micro_batches)
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_vit.yaml"
 BATCH = 32
@@ -145,3 +147,22 @@ def test_pipe_recompute_trades_a_second_stage_for_recomputation_and_drops_it_aft
     assert chosen.recomputed_blocks == (2, 4) and chosen.describe()["recomputed_blocks"] == [2, 4]
     after = _lever_plan(recompute=True, frozen_blocks=3)  # embeddings and 2 layers frozen and cached
     assert (after.layout.num_stages, after.recomputed_blocks) == (1, ())
+
+
+def test_the_memory_budget_has_one_reading() -> None:
+    """Set: that many bytes, whatever the device; unset: 90% of a device whose memory is known (``plan --cluster``),
+    no limit for a run's workers, which do not know it."""
+    device_bytes = 16e9
+    assert PipeConfig(device_memory_gb=0.5).memory_budget_bytes() == 500_000_000
+    assert PipeConfig(device_memory_gb=0.5).memory_budget_bytes(device_bytes) == 500_000_000
+    assert PipeConfig().memory_budget_bytes() == math.inf
+    assert PipeConfig().memory_budget_bytes(device_bytes) == pytest.approx(0.9 * device_bytes)
+
+
+def test_the_request_plans_as_the_settings_it_reads() -> None:
+    """plan_request reads dp.enabled as elastic and train.precision's costs: the trainer's and plan's layout."""
+    config = load_config(CONFIG, ["pipe.enabled=true", "dp.enabled=true", "pipe.schedule=1f1b",
+                                  f"pipe.device_memory_gb={BUDGET_GB}"])
+    request = plan_request(config.pipe, config.dp, BATCH, Precision.FP32)
+    assert request.plan(COSTS, 2, frozen_blocks=0, cached_blocks=0) == plan_layout(
+        config.pipe, COSTS, 2, elastic=True, batch_size=BATCH, frozen_blocks=0, cached_blocks=0)

@@ -9,7 +9,7 @@ import pytest
 
 from pipetransformer.pipe.cost import BlockCost, BlockState, Link, stage_memory
 from pipetransformer.pipe.partition import bubble_fraction
-from pipetransformer.pipe.simulate import (
+from pipetransformer.plan.simulate import (
     ALLREDUCE,
     BACKWARD,
     FORWARD,

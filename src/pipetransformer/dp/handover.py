@@ -17,15 +17,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetransformer.faults import maybe_fail
 from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.pipe.layout import transfer_plan
 
-__all__ = ["BlockTransfer", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state", "place_state",
+if TYPE_CHECKING:
+    from pipetransformer.pipe.planner import LayoutPlan
+
+__all__ = ["BlockTransfer", "hand_over", "transfer_blocks", "broadcast_blocks", "block_tensors", "describe_state",
+           "place_state",
            "state_tensors"]
 
 @dataclass(frozen=True)
@@ -33,6 +39,24 @@ class BlockTransfer:
     block: int
     src: int
     dst: int
+
+
+@dataclass(frozen=True)
+class _HeldBlocks:
+    """A plan's stages as the blocks their ranks hold, the prefix included: what a handover must move."""
+
+    bounds: list[tuple[int, int]]
+
+
+def hand_over(model: BlockSequence, previous: LayoutPlan, plan: LayoutPlan, optimizer: torch.optim.Optimizer,
+              rank: int) -> tuple[dict[nn.Parameter, dict[str, torch.Tensor]], int]:
+    """AutoDP's handover from ``previous`` to ``plan`` (every rank must call): each block goes, with its optimizer
+    state, to every rank that holds it under ``plan`` and did not before (which rank sends which:
+    :func:`~pipetransformer.pipe.layout.transfer_plan`). Returns the optimizer state received and the blocks moved."""
+    transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
+        _HeldBlocks(previous.held_bounds()), previous.layout, _HeldBlocks(plan.held_bounds()), plan.layout)]
+    maybe_fail("handover", rank)
+    return transfer_blocks(model, transfers, optimizer, rank), len(transfers)
 
 
 def place_state(param: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -110,8 +110,34 @@ def build_vit(
     mlp_ratio: float = DEFAULT_MLP_RATIO,
     dropout: float = DEFAULT_DROPOUT,
 ) -> BlockSequence:
-    """A randomly initialised ViT classifier: ``patch embeddings, depth layers, norm + class token + linear``."""
-    _validate(image_size, patch_size, in_channels, dim, depth, heads, num_classes, mlp_ratio, dropout)
+    """A randomly initialised ViT classifier: ``patch embeddings, depth layers, norm + class token + linear``; its
+    settings are checked first, each error naming the values that would work."""
+    sizes = {
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "in_channels": in_channels,
+        "dim": dim,
+        "depth": depth,
+        "heads": heads,
+        "num_classes": num_classes,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"vit {name} must be a positive integer, got {value!r}")
+    if image_size % patch_size:
+        raise ValueError(
+            f"vit image_size {image_size} is not divisible by patch_size {patch_size}: "
+            f"use a patch_size in {_divisors(image_size)}"
+        )
+    if dim % heads:
+        raise ValueError(
+            f"vit dim {dim} is not divisible by heads {heads}: use heads in {_divisors(dim)} "
+            f"or a dim that is a multiple of {heads}"
+        )
+    if int(dim * mlp_ratio) < 1:
+        raise ValueError(f"vit mlp_ratio {mlp_ratio} gives an empty MLP for dim {dim}: use a positive mlp_ratio like 4")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"vit dropout must be in [0, 1), got {dropout}")
     layers = [ViTLayer(dim, heads, mlp_ratio, dropout) for _ in range(depth)]
     head = ImageClassificationHead(dim, num_classes, final_norm=nn.LayerNorm(dim))
     return BlockSequence(PatchEmbeddings(image_size, patch_size, in_channels, dim, dropout), layers, head, task="image")
@@ -143,45 +169,6 @@ def load_vit_backbone(model: BlockSequence, path: str | Path) -> None:
         for name, tensor in model.state_dict().items():
             if name in saved:
                 tensor.copy_(saved[name])
-
-
-def _validate(
-    image_size: int,
-    patch_size: int,
-    in_channels: int,
-    dim: int,
-    depth: int,
-    heads: int,
-    num_classes: int,
-    mlp_ratio: float,
-    dropout: float,
-) -> None:
-    sizes = {
-        "image_size": image_size,
-        "patch_size": patch_size,
-        "in_channels": in_channels,
-        "dim": dim,
-        "depth": depth,
-        "heads": heads,
-        "num_classes": num_classes,
-    }
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"vit {name} must be a positive integer, got {value!r}")
-    if image_size % patch_size:
-        raise ValueError(
-            f"vit image_size {image_size} is not divisible by patch_size {patch_size}: "
-            f"use a patch_size in {_divisors(image_size)}"
-        )
-    if dim % heads:
-        raise ValueError(
-            f"vit dim {dim} is not divisible by heads {heads}: use heads in {_divisors(dim)} "
-            f"or a dim that is a multiple of {heads}"
-        )
-    if int(dim * mlp_ratio) < 1:
-        raise ValueError(f"vit mlp_ratio {mlp_ratio} gives an empty MLP for dim {dim}: use a positive mlp_ratio like 4")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"vit dropout must be in [0, 1), got {dropout}")
 
 
 def _divisors(number: int) -> list[int]:

@@ -1,6 +1,13 @@
-"""AutoPipe: cost model, exact partitioning, pipeline compression, micro-batches, rank layout, profiling."""
+"""AutoPipe: cost model, exact partitioning, pipeline compression, micro-batches, rank layout, profiling.
+
+The pure modules (cost, layout, partition, planner) import without torch, so the launcher and ``plan`` can check a
+config and plan a layout before paying for it; profiling's two names, which need torch, load on first use.
+"""
 
 from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
@@ -45,7 +52,16 @@ from pipetransformer.pipe.partition import (
     partition,
     predict_step_time,
 )
-from pipetransformer.pipe.profile import broadcast_costs, profile_blocks
+
+_PROFILE = "pipetransformer.pipe.profile"
+_TORCH_NAMES = {"broadcast_costs": _PROFILE, "profile_blocks": _PROFILE}
+"""Re-exported names whose modules import torch: loaded by :func:`__getattr__` when first asked for."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        return getattr(import_module(_TORCH_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ADAMW_STATE_FACTOR",

@@ -479,30 +479,14 @@ def analytic_work(
     return [embeddings, *([layer] * num_layers), head]
 
 
-def analytic_costs(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    seq_len: int,
-    num_heads: int,
-    vocab_size: int,
-    num_classes: int,
-    flops_per_second: float,
-    mlp_ratio: float = 4.0,
-    embedding_is_lookup: bool = True,
-    carries_attention_mask: bool = True,
-) -> list[BlockCost]:
+def analytic_costs(*, flops_per_second: float, **dimensions: float | bool) -> list[BlockCost]:
     """Estimated fp32 costs of ``embeddings, layer_0..layer_{L-1}, head`` when profiling is off
-    (:func:`analytic_work` at ``flops_per_second``, memory traffic free).
+    (:func:`analytic_work` of the model's ``dimensions``, its keyword arguments, at ``flops_per_second``; memory
+    traffic free).
 
     Only the ratios between blocks matter to the partitioner, the absolute speed only to the
     micro-batch choice.
     """
     if flops_per_second <= 0:
         raise ValueError(f"analytic_costs needs flops_per_second > 0, got {flops_per_second}")
-    work = analytic_work(
-        num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len, num_heads=num_heads,
-        vocab_size=vocab_size, num_classes=num_classes, mlp_ratio=mlp_ratio,
-        embedding_is_lookup=embedding_is_lookup, carries_attention_mask=carries_attention_mask,
-    )
-    return costs_from_work(work, flops_per_second=flops_per_second)
+    return costs_from_work(analytic_work(**dimensions), flops_per_second=flops_per_second)  # type: ignore[arg-type]

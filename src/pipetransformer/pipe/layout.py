@@ -16,6 +16,7 @@ __all__ = [
     "StagePlan",
     "Transfer",
     "block_owners",
+    "check_stage_count",
     "transfer_plan",
     "valid_stage_counts",
 ]
@@ -37,6 +38,14 @@ def valid_stage_counts(world_size: int) -> list[int]:
     if world_size < 1:
         raise LayoutError(f"world_size must be >= 1, got {world_size}")
     return [k for k in range(1, world_size + 1) if world_size % k == 0]
+
+
+def check_stage_count(stages: int, world_size: int) -> None:
+    """``pipe.stages`` fixed at a number must divide the workers (checked by the launcher and by the planner)."""
+    allowed = valid_stage_counts(world_size)
+    if stages not in allowed:
+        raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers: set pipe.stages to one "
+                          f"of {', '.join(map(str, allowed))} or auto, or change --nproc-per-node")
 
 
 @dataclass(frozen=True)

@@ -6,21 +6,21 @@ Pure, so ``pipetransformer plan`` and every training rank compute the same plan 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipetransformer.config import BYTES_PER_GB, PipeConfig
-from pipetransformer.pipe.cluster import local_cluster
+from pipetransformer.config import BYTES_PER_GB, DPConfig, PipeConfig
+from pipetransformer.dp.batch import replica_batch, replica_count
 from pipetransformer.pipe.cost import BlockCost, Link, Precision, block_states
-from pipetransformer.pipe.layout import Layout, LayoutError, valid_stage_counts
-from pipetransformer.pipe.levers import LeverSettings, NoLayoutError, choose_levers
+from pipetransformer.pipe.layout import Layout, check_stage_count
 from pipetransformer.pipe.partition import (Partition, PartitionError, choose_micro_batches,
                                             choose_partition_and_micro_batches, compress, counted,
                                             micro_batch_candidates, partition)
+from pipetransformer.plan.levers import LeverSettings, NoLayoutError, fastest_local_fit
 
-__all__ = ["LayoutPlan", "plan_layout", "block_states", "step_micro_batches", "PER_MICROBATCH_OVERHEAD_S"]
+__all__ = ["LayoutPlan", "PlanRequest", "plan_layout", "plan_request", "block_states", "step_micro_batches",
+           "PER_MICROBATCH_OVERHEAD_S"]
 
 PER_MICROBATCH_OVERHEAD_S = 1e-3
 """Cost of one micro-batch per stage beyond its blocks' own costs per call (schedule bookkeeping, p2p latency), a
@@ -62,21 +62,34 @@ class LayoutPlan:
 def _fixed_stages(pipe: PipeConfig, world_size: int) -> int:
     """``pipe.stages`` when it is a number, checked against the world."""
     stages = int(pipe.stages)
-    if stages not in valid_stage_counts(world_size):
-        raise LayoutError(f"pipe.stages={stages} does not divide the {world_size} workers; "
-                          f"allowed: {', '.join(map(str, valid_stage_counts(world_size)))}")
+    check_stage_count(stages, world_size)
     return stages
 
 
-def _replica_batch(width: int, batch_size: int, global_batch: Callable[[int], int] | None) -> int:
-    """Each replica's share of the global batch at ``width`` replicas (``dp.batch_policy``; default: ``batch_size``)."""
-    return max(1, (global_batch(width) if global_batch else batch_size) // width)
+@dataclass(frozen=True)
+class PlanRequest:
+    """What AutoPipe plans a layout from, besides block costs and the freeze state: a config's settings, read once
+    by :func:`plan_request` for the trainer and the ``plan`` command alike."""
+
+    pipe: PipeConfig
+    elastic: bool  # dp.enabled: the workers a compression frees become replicas
+    batch_size: int  # train.batch_size: the global batch at the starting width
+    precision: Precision  # train.precision: what the block costs are in
+    touched_rows_only: bool  # dp.touched_rows_only: how replicas sum vocabulary tables
+
+    def plan(self, costs: list[BlockCost], world_size: int, *, frozen_blocks: int, cached_blocks: int,
+             dp_width: int | None = None, global_batch: Callable[[int], int] | None = None) -> LayoutPlan:
+        """:func:`plan_layout` of these settings for a freeze state (``dp_width``, ``global_batch``: the run's)."""
+        return plan_layout(self.pipe, costs, world_size, elastic=self.elastic, batch_size=self.batch_size,
+                           frozen_blocks=frozen_blocks, cached_blocks=cached_blocks, dp_width=dp_width,
+                           global_batch=global_batch, precision=self.precision,
+                           touched_rows_only=self.touched_rows_only)
 
 
-def _budget_bytes(pipe: PipeConfig) -> int:
-    if pipe.device_memory_gb is None:
-        return math.inf  # type: ignore[return-value]
-    return int(pipe.device_memory_gb * BYTES_PER_GB)
+def plan_request(pipe: PipeConfig, dp: DPConfig, batch_size: int, precision: Precision) -> PlanRequest:
+    """The planner's request from a config's sections (``train.batch_size``, ``train.precision``)."""
+    return PlanRequest(pipe, elastic=dp.enabled, batch_size=batch_size, precision=precision,
+                       touched_rows_only=dp.touched_rows_only)
 
 
 def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, elastic: bool, batch_size: int,
@@ -89,8 +102,9 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     (``dp.enabled``) the freed ranks become replicas (width = world / stages); without it the width stays
     ``dp_width`` (the initial one) and freed ranks idle, which is what AutoPipe alone would do.
     ``global_batch`` gives the global batch for a width (``dp.batch_policy``); default: ``batch_size``.
-    With ``pipe.recompute`` the lever planner (:func:`.levers.choose_levers`) weighs stages against
-    recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in ``precision``, and
+    With ``pipe.recompute`` the offline predictor (:func:`pipetransformer.plan.levers.fastest_local_fit`) weighs
+    stages against recomputation instead, by the predicted samples/s of the whole world; ``costs`` are then in
+    ``precision``, and
     ``touched_rows_only`` (``dp.touched_rows_only``) says how replicas sum vocabulary tables.
     """
     if pipe.recompute:
@@ -99,16 +113,14 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
                                  touched_rows_only=touched_rows_only)
     states = block_states(len(costs), frozen_blocks, cached_blocks)
     link = Link(pipe.link_bandwidth_gbps * BYTES_PER_GB)
-    budget = _budget_bytes(pipe)
+    budget = pipe.memory_budget_bytes()
     runnable = len(costs) - cached_blocks
 
     def width_for(stages: int) -> int:
-        if not pipe.enabled or elastic or dp_width is None:
-            return world_size // stages
-        return dp_width
+        return replica_count(world_size, stages, elastic=elastic or not pipe.enabled, initial_width=dp_width)
 
-    def replica_batch(stages: int) -> int:
-        return _replica_batch(width_for(stages), batch_size, global_batch)
+    def batch_of_a_replica(stages: int) -> int:
+        return replica_batch(width_for(stages), batch_size, global_batch)
 
     def held_activations(stages: int) -> tuple[int, int]:
         """(micro-batch size, micro-batches in flight) a stage holds activations for before their backward.
@@ -118,7 +130,7 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
         batches do not. An "auto" count is taken at its largest candidate here, the one needing the least
         memory, so a stage count fits when any count does; the count itself is chosen below.
         """
-        batch = replica_batch(stages)
+        batch = batch_of_a_replica(stages)
         if stages == 1 or pipe.schedule != ONE_F_ONE_B:
             return batch, 1
         if pipe.micro_batches == "auto":
@@ -155,11 +167,11 @@ def plan_layout(pipe: PipeConfig, costs: list[BlockCost], world_size: int, *, el
     if stages > 1:
         if pipe.micro_batches == "auto" and pipe.schedule == ONE_F_ONE_B:
             part, chosen = choose_partition_and_micro_batches(
-                costs, states, stages, replica_batch(stages), memory_budget_bytes=budget, link=link,
+                costs, states, stages, batch_of_a_replica(stages), memory_budget_bytes=budget, link=link,
                 per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
             micro = chosen.num_micro_batches
         elif pipe.micro_batches == "auto":
-            micro = choose_micro_batches(part, replica_batch(stages),
+            micro = choose_micro_batches(part, batch_of_a_replica(stages),
                                          per_microbatch_overhead_s=PER_MICROBATCH_OVERHEAD_S).num_micro_batches
         else:
             micro = int(pipe.micro_batches)
@@ -173,20 +185,17 @@ def _plan_with_levers(pipe: PipeConfig, costs: list[BlockCost], world_size: int,
                       precision: Precision, touched_rows_only: bool) -> LayoutPlan:
     """``pipe.recompute``: the fastest fit of stages and recomputation on this machine as a ``local`` cluster (the
     config checks that AutoPipe is on and that the replicas are world / stages: AutoDP on, or the stages fixed)."""
-    cluster = local_cluster(world_size, memory_gb=pipe.device_memory_gb,
-                            link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
-                            flops_per_second=math.inf,  # never read: the block costs are given
-                            micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S)
     stage_counts = None if pipe.stages == "auto" else (_fixed_stages(pipe, world_size),)
-    settings = LeverSettings(memory_budget_bytes=_budget_bytes(pipe), schedule=pipe.schedule,
+    settings = LeverSettings(memory_budget_bytes=pipe.memory_budget_bytes(), schedule=pipe.schedule,
                              micro_batches=pipe.micro_batches if isinstance(pipe.micro_batches, int) else None,
                              precisions=(precision,), recompute=True, stage_counts=stage_counts,
                              touched_rows_only=touched_rows_only)
-
     try:
-        chosen = choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                               replica_batch=lambda replicas: _replica_batch(replicas, batch_size, global_batch),
-                               settings=settings).chosen
+        chosen = fastest_local_fit(costs, world_size, settings, memory_gb=pipe.device_memory_gb,
+                                   link_bandwidth_gb_s=pipe.link_bandwidth_gbps,
+                                   micro_batch_overhead_s=PER_MICROBATCH_OVERHEAD_S, frozen_blocks=frozen_blocks,
+                                   cached_blocks=cached_blocks,
+                                   replica_batch=lambda replicas: replica_batch(replicas, batch_size, global_batch))
     except NoLayoutError as error:
         raise PartitionError(f"pipe.device_memory_gb={pipe.device_memory_gb} is too small for "
                              f"{counted(world_size, 'worker')}: {error}") from None

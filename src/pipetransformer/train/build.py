@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -22,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """``train.precision`` -> the autocast dtype of every forward (None: the weights' own fp32)."""
-RUNS_DIR = "runs"
-DEFAULT_RUN_NAME = "run"
 
 
 def seed_everything(config: Config) -> None:
@@ -35,9 +32,7 @@ def seed_everything(config: Config) -> None:
 def resolve_run_dir(settings: RunConfig) -> Path:
     """``run.dir``, or ``runs/<name>-<time>`` as rank 0 names it. Not created here: the run's recorder creates it
     once set-up has succeeded, so a run refused while setting up (its data, model or memory budget) leaves none."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = settings.dir or str(Path(RUNS_DIR) / f"{settings.name or DEFAULT_RUN_NAME}-{stamp}")
-    return Path(broadcast_string(path))
+    return Path(broadcast_string(settings.resolved_dir()))
 
 
 def read_splits(config: Config) -> DataSplits[IndexedDataset]:

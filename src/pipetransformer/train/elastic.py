@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,22 +19,24 @@ import torch.distributed as dist
 from pipetransformer.config import BYTES_PER_MIB, DPConfig, PipeConfig
 from pipetransformer.data.sampler import ElasticSampler
 from pipetransformer.distributed import DistEnv, gather_floats, new_groups
-from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, transfer_blocks
+from pipetransformer.dp.batch import global_batch, lr_scale
+from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, hand_over, transfer_blocks
 from pipetransformer.dp.sync import GradientSync, row_summed_tables
-from pipetransformer.faults import maybe_fail
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.layout import transfer_plan
-from pipetransformer.pipe.planner import LayoutPlan, plan_layout
+from pipetransformer.pipe.planner import LayoutPlan, plan_request
 from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimate_block_costs
 from pipetransformer.train.build import example_inputs
 from pipetransformer.train.optimizer import HeldOptimizer, OptimizerState
 from pipetransformer.train.step import LocalStep, PipelineStep, StepContext, StepExecutor
 
+if TYPE_CHECKING:  # both import this module
+    from pipetransformer.train.autofreeze import AutoFreeze
+    from pipetransformer.train.state import Progress
+
 __all__ = ["ElasticLayout", "Placement", "UNIFORM_COST"]
 
 UNIFORM_COST = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0)
 """Every block's cost without AutoPipe: one stage holds them all, so only their count matters."""
-KEEP_PER_PIPELINE = "keep_per_pipeline"
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,6 @@ class Placement:
         return ElasticSampler.split_for_replica(global_batch, self.plan.layout.dp_width, self.replica)
 
 
-@dataclass(frozen=True)
-class _HeldBlocks:
-    """A plan's stages as the blocks their ranks hold, the prefix included: what a handover must move."""
-
-    bounds: list[tuple[int, int]]
-
-
 class ElasticLayout:
     """The current plan and this rank's place in it; ``transition`` moves the run to another plan."""
 
@@ -81,7 +76,7 @@ class ElasticLayout:
         self.pipe = pipe
         self.dp = dp
         self.batch_size = batch_size  # train.batch_size: the global batch at the starting width
-        self.precision = precision  # train.precision: what the profiled costs were measured in
+        self.request = plan_request(pipe, dp, batch_size, precision)  # train.precision: what costs are measured in
         self.initial_width: int | None = None  # set by the first layout (or a resume on as many workers)
         self._placement: Placement | None = None
         self.executor: StepExecutor | None = None  # None on idle ranks
@@ -107,23 +102,32 @@ class ElasticLayout:
 
     def plan_for(self, frozen_blocks: int, cached_blocks: int) -> LayoutPlan:
         """AutoPipe's layout for this freeze state; with AutoDP its width is what the stages leave."""
-        return plan_layout(self.pipe, self.costs(), self.env.world_size, elastic=self.dp.enabled,
-                           batch_size=self.batch_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                           dp_width=self.initial_width, global_batch=self.global_batch,
-                           precision=self.precision, touched_rows_only=self.dp.touched_rows_only)
+        return self.request.plan(self.costs(), self.env.world_size, frozen_blocks=frozen_blocks,
+                                 cached_blocks=cached_blocks, dp_width=self.initial_width,
+                                 global_batch=self.global_batch)
+
+    def follow(self, freezer: AutoFreeze, optimizer: HeldOptimizer, progress: Progress) -> None:
+        """Plan the layout for the freezer's frozen prefix (served by the cache as far as it can), move the run to it
+        (:meth:`transition`), and record it in ``progress``: the layout history, and a transition's cost."""
+        frozen_layers = freezer.prefix_layers()
+        plan = self.plan_for(freezer.prefix_blocks(), self.context.prefix.cached_blocks(frozen_layers))
+        transition = self.transition(plan, optimizer)
+        step, described = progress.step, plan.describe()
+        progress.layout_history.append({"step": step, "frozen_layers": len(freezer.frozen),
+                                        "frozen_prefix_layers": freezer.prefix_layers(), **described})
+        if transition is not None:
+            progress.transitions.append({"step": step, **transition, **described})
 
     def global_batch(self, width: int | None = None) -> int:
-        """keep_global: train.batch_size always; keep_per_pipeline (the paper): each replica keeps the batch it
-        started with, so the global batch grows with the width (default: the current one)."""
+        """The global batch at ``width`` replicas (default: the current width) under ``dp.batch_policy``
+        (:func:`pipetransformer.dp.batch.global_batch`)."""
         if width is None:
             width = self.plan.layout.dp_width
-        if self.dp.batch_policy == KEEP_PER_PIPELINE and self.initial_width:
-            return self.batch_size * width // self.initial_width
-        return self.batch_size
+        return global_batch(self.batch_size, width, self.initial_width, self.dp.batch_policy)
 
     def lr_scale(self) -> float:
         """Linear scaling rule when the global batch grows with the width (keep_per_pipeline)."""
-        return self.global_batch() / self.batch_size
+        return lr_scale(self.batch_size, self.plan.layout.dp_width, self.initial_width, self.dp.batch_policy)
 
     def transition(self, plan: LayoutPlan, optimizer: HeldOptimizer) -> dict[str, Any] | None:
         """Make ``plan`` the layout (every rank must call): hand blocks over to their new owners, rebuild the
@@ -135,12 +139,7 @@ class ElasticLayout:
         received: OptimizerState = {}
         moved = 0
         if previous is not None and self.env.distributed:
-            transfers = [BlockTransfer(t.block, t.src_rank, t.dst_rank) for t in transfer_plan(
-                _HeldBlocks(previous.plan.held_bounds()), previous.plan.layout, _HeldBlocks(plan.held_bounds()),
-                plan.layout)]
-            moved = len(transfers)
-            maybe_fail("handover", rank)
-            received = transfer_blocks(self.model, transfers, optimizer.optimizer, rank)
+            received, moved = hand_over(self.model, previous.plan, plan, optimizer.optimizer, rank)
         self._destroy_groups()
         if self.env.distributed:
             self.pipe_group = new_groups(plan.layout.all_pipeline_groups(), rank)

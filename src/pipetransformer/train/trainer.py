@@ -22,7 +22,6 @@ from pipetransformer.distributed import gather_floats, init_distributed, shutdow
 from pipetransformer.metrics import StepTimer, peak_rss_bytes
 from pipetransformer.optim import lr_at
 from pipetransformer.pipe.cost import Precision
-from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.autocache import AutoCache
 from pipetransformer.train.autofreeze import AutoFreeze
 from pipetransformer.train.build import build_blocks, load_splits, resolve_run_dir, seed_everything
@@ -73,7 +72,7 @@ class Trainer:
                                 freezer=self.freezer, layout=self.layout, progress=self.progress, config=config)
         self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, env)
         resumed = self.checkpointer.resume(self.state)
-        self._adopt(self._plan())
+        self.layout.follow(self.freezer, self.optimizer, self.progress)
         self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
                                     cache_metrics=self.cache.metrics)
         self._sigterm_received = False  # this rank, set by the signal handler at any moment
@@ -162,18 +161,6 @@ class Trainer:
         norms, dots = self.freezer.observe(control)
         return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested)
 
-    def _plan(self) -> LayoutPlan:
-        frozen_layers = self.freezer.prefix_layers()
-        return self.layout.plan_for(self.freezer.prefix_blocks(), self.cache.cached_blocks(frozen_layers))
-
-    def _adopt(self, plan: LayoutPlan) -> None:
-        transition = self.layout.transition(plan, self.optimizer)
-        step, described = self.progress.step, plan.describe()
-        self.progress.layout_history.append({"step": step, "frozen_layers": len(self.freezer.frozen),
-                                             "frozen_prefix_layers": self.freezer.prefix_layers(), **described})
-        if transition is not None:
-            self.progress.transitions.append({"step": step, **transition, **described})
-
     def _freeze(self, epoch_end: bool) -> None:
         record = self.freezer.update(self.progress.step, self.progress.epoch, epoch_end, self.optimizer)
         window = self.freezer.window_record()
@@ -182,7 +169,7 @@ class Trainer:
         if record is not None:
             self.progress.freeze_decisions.append(record)
             self.recorder.event("freeze", record)
-            self._adopt(self._plan())
+            self.layout.follow(self.freezer, self.optimizer, self.progress)
 
     def _validate(self, started: float) -> None:
         """Evaluate the validation split; keep the weights when they are the best so far."""

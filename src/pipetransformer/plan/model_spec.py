@@ -8,13 +8,11 @@ Hugging Face ``config.json`` (any BERT- or ViT-style encoder).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.pipe.cluster import GIGA, Device
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -24,6 +22,7 @@ from pipetransformer.pipe.cost import (
     analytic_work,
     costs_from_work,
 )
+from pipetransformer.plan.cluster import GIGA, Device, read_json_file
 
 __all__ = ["BUILT_IN_MODELS", "ModelSpec", "ModelSpecError", "load_model_spec", "model_from_hf_config"]
 
@@ -190,11 +189,6 @@ def load_model_spec(spec: str, *, seq_len: int | None = None, num_outputs: int |
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ModelSpecError(f"--model {spec}: neither a built-in model ({', '.join(BUILT_IN_MODELS)}) "
-                             "nor a Hugging Face config.json or its directory")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ModelSpecError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}): fix the file") from None
+    config = read_json_file(path, ModelSpecError, f"--model {spec}: neither a built-in model "
+                            f"({', '.join(BUILT_IN_MODELS)}) nor a Hugging Face config.json or its directory")
     return model_from_hf_config(config, name=str(path), seq_len=seq_len, num_outputs=num_outputs)

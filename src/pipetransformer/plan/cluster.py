@@ -287,6 +287,17 @@ def local_cluster(world_size: int, *, memory_gb: float | None, link_bandwidth_gb
     return cluster_from_mapping(fields, source="cluster local")
 
 
+def read_json_file(path: Path, error: type[ValueError], missing: str) -> Any:
+    """The JSON in the file ``path``: ``error(missing)`` where there is none, an ``error`` naming the line where it is
+    not JSON (what ``--model`` and ``--freeze`` read)."""
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as failure:
+        raise error(f"{path}: not valid JSON ({failure.msg} at line {failure.lineno}): fix the file") from None
+
+
 def load_cluster(spec: str) -> Cluster:
     """A preset name (``paper``, ``a100x8``, ``h100x8``) or a YAML/JSON file of :data:`CLUSTER_FIELDS`."""
     if spec in PRESETS:

@@ -1,7 +1,7 @@
 """A whole run, predicted: the layout PipeTransformer follows as layers freeze, against a static baseline.
 
 A freeze timeline (how many leading layers are frozen from which point of training on) cuts the run
-into phases; each phase gets its own lever choice (:func:`~pipetransformer.pipe.levers.choose_levers`).
+into phases; each phase gets its own lever choice (:func:`~pipetransformer.plan.levers.choose_levers`).
 With the cache on, the epoch after a freeze still runs the newly frozen layers forward once per sample
 (the cache advances each entry through them at its next visit) and only then serves the whole prefix.
 The static baseline (Pipe + DDP, nothing frozen, nothing cached) runs one layout throughout; the
@@ -10,16 +10,15 @@ speed-up is the baseline's time over the sum of the phases' times for the same s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pipetransformer.freeze.policies import GeometricPolicy, frozen_blocks, frozen_prefix_layers
-from pipetransformer.pipe.cluster import Cluster
 from pipetransformer.pipe.cost import BlockCost, Precision
-from pipetransformer.pipe.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
+from pipetransformer.plan.cluster import Cluster, read_json_file
+from pipetransformer.plan.levers import LeverChoice, LeverSettings, NoLayoutError, choose_levers
 
 __all__ = [
     "BatchPolicy",
@@ -87,13 +86,8 @@ def timeline_from_summary(summary: Mapping[str, Any], source: str = SUMMARY_FILE
 def read_timeline(path: Path) -> list[FreezePoint]:
     """The timeline of a run directory or of its ``summary.json``."""
     file = path / SUMMARY_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise TimelineError(f"--freeze {path}: no {SUMMARY_FILE} there: give a finished run's directory, its "
-                            "summary.json, or 'geometric'")
-    try:
-        summary = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise TimelineError(f"{file}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    summary = read_json_file(file, TimelineError, f"--freeze {path}: no {SUMMARY_FILE} there: give a finished run's "
+                             "directory, its summary.json, or 'geometric'")
     return timeline_from_summary(summary, str(file))
 
 

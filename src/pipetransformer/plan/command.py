@@ -6,8 +6,8 @@ predicted bubble and step time.
 
 With ``--cluster`` it predicts a whole run instead, on a cluster preset or description (or ``local``,
 this machine as profiled): the layout at every phase of a freeze timeline, chosen among more stages,
-recomputation and bf16 (:mod:`pipetransformer.pipe.levers`), each phase's step simulated
-(:mod:`pipetransformer.pipe.simulate`), the alternatives rejected and why, and the speed-up over the
+recomputation and bf16 (:mod:`pipetransformer.plan.levers`), each phase's step simulated
+(:mod:`pipetransformer.plan.simulate`), the alternatives rejected and why, and the speed-up over the
 static Pipe+DDP baseline.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.config import BYTES_PER_GB, Config, ConfigError
-from pipetransformer.pipe.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from pipetransformer.config import Config, ConfigError
+from pipetransformer.dp.batch import KEEP_PER_PIPELINE
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
     FLOAT_BYTES,
@@ -29,11 +29,12 @@ from pipetransformer.pipe.cost import (
     BlockWork,
     Precision,
 )
-from pipetransformer.pipe.levers import Candidate, LeverSettings
-from pipetransformer.pipe.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
 from pipetransformer.pipe.partition import GIB, bubble_fraction, predict_step_time
-from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, block_states, plan_layout
-from pipetransformer.pipe.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
+from pipetransformer.pipe.planner import PER_MICROBATCH_OVERHEAD_S, LayoutPlan, block_states, plan_request
+from pipetransformer.plan.cluster import LOCAL, Cluster, calibrated_flops, load_cluster, local_cluster
+from pipetransformer.plan.levers import Candidate, LeverSettings
+from pipetransformer.plan.model_spec import BUILT_IN_MODELS, ModelSpec, load_model_spec, model_from_hf_config
+from pipetransformer.plan.runplan import BatchPolicy, FreezePoint, RunPlan, geometric_timeline, plan_run, read_timeline
 
 __all__ = ["ClusterPlanRequest", "check_before_workers", "cluster_plan_command", "cluster_run_plan",
            "plan_command", "plan_report", "profiled_costs"]
@@ -94,9 +95,8 @@ def check_before_workers(config: Config, world_size: int) -> None:
 def _layout(config: Config, world_size: int, costs: list[BlockCost], frozen_blocks: int = 0,
             cached_blocks: int = 0) -> LayoutPlan:
     """AutoPipe's layout of ``config`` on ``world_size`` workers for a freeze state, as the trainer plans it."""
-    return plan_layout(config.pipe, costs, world_size, elastic=config.dp.enabled, batch_size=config.train.batch_size,
-                       frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
-                       precision=Precision(config.train.precision), touched_rows_only=config.dp.touched_rows_only)
+    request = plan_request(config.pipe, config.dp, config.train.batch_size, Precision(config.train.precision))
+    return request.plan(costs, world_size, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks)
 
 
 def plan_report(config: Config, world_size: int, costs: list[BlockCost], names: list[str],
@@ -152,10 +152,6 @@ def plan_command(config: Config, world_size: int, as_json: bool) -> int:
 
 
 # --------------------------------------------------------------------------- plan --cluster: a whole run, predicted
-
-USABLE_MEMORY_FRACTION = 0.9
-"""Share of a device's memory the planner fills when ``pipe.device_memory_gb`` is unset; the rest is an
-assumed allowance for the CUDA context, allocator fragmentation and communication buffers."""
 
 LEVERS = ("stages", "recompute", "bf16")
 GEOMETRIC = "geometric"
@@ -243,8 +239,7 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
     fp32 = costs[Precision.FP32]
     assert fp32 is not None
     num_layers = len(fp32) - 2
-    budget = (config.pipe.device_memory_gb * BYTES_PER_GB if config.pipe.device_memory_gb is not None
-              else cluster.device.memory_bytes * USABLE_MEMORY_FRACTION)
+    budget = config.pipe.memory_budget_bytes(cluster.device.memory_bytes)
     fixed_stages = (config.pipe.stages,) if isinstance(config.pipe.stages, int) else (1,)
     micro_batches = config.pipe.micro_batches if isinstance(config.pipe.micro_batches, int) else None
     settings = LeverSettings(
@@ -259,7 +254,7 @@ def cluster_run_plan(config: Config, request: ClusterPlanRequest,
     epochs = request.epochs if request.epochs is not None else float(config.train.epochs)
     plan = plan_run(costs, cluster, num_layers=num_layers, timeline=_timeline(config, request, num_layers, epochs),
                     epochs=epochs, settings=settings, baseline_settings=baseline,
-                    batch=BatchPolicy(config.train.batch_size, config.dp.batch_policy == "keep_per_pipeline"),
+                    batch=BatchPolicy(config.train.batch_size, config.dp.batch_policy == KEEP_PER_PIPELINE),
                     cache=config.cache.enabled, cache_min_frozen=config.cache.min_frozen)
     return plan, cluster, spec, settings
 

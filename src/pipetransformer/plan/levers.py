@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipetransformer.pipe.cluster import Cluster
 from pipetransformer.pipe.cost import ADAMW_STATE_FACTOR, BlockCost, BlockState, Precision, block_states, recomputed
 from pipetransformer.pipe.layout import valid_stage_counts
 from pipetransformer.pipe.partition import (
@@ -30,7 +29,8 @@ from pipetransformer.pipe.partition import (
     predict_step_time,
     readable_bytes,
 )
-from pipetransformer.pipe.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
+from pipetransformer.plan.cluster import Cluster, local_cluster
+from pipetransformer.plan.simulate import StepSimulation, SyncGroup, simulate_step, stage_works
 
 __all__ = [
     "GRADIENT_BUCKET_BYTES",
@@ -39,6 +39,7 @@ __all__ = [
     "LeverSettings",
     "NoLayoutError",
     "choose_levers",
+    "fastest_local_fit",
     "recompute_set",
     "simulate_layout",
 ]
@@ -337,3 +338,17 @@ def choose_levers(
                                       f"{candidate.samples_per_s / chosen.samples_per_s:.2f}x of the chosen")
         rejected.append(replace(candidate, reason=reason))
     return LeverChoice(chosen, rejected)
+
+
+def fastest_local_fit(costs: Sequence[BlockCost], world_size: int, settings: LeverSettings, *, memory_gb: float | None,
+                      link_bandwidth_gb_s: float, micro_batch_overhead_s: float, frozen_blocks: int,
+                      cached_blocks: int, replica_batch: Callable[[int], int]) -> Candidate:
+    """The live planner's one question to this predictor (``pipe.recompute``): the fastest fit of stages and
+    recomputation for ``world_size`` workers on this machine, a ``local`` cluster whose block ``costs`` (in
+    ``settings``' one precision) are given. Raises :class:`NoLayoutError` when nothing fits."""
+    cluster = local_cluster(world_size, memory_gb=memory_gb, link_bandwidth_gb_s=link_bandwidth_gb_s,
+                            flops_per_second=math.inf,  # never read: the block costs are given
+                            micro_batch_overhead_s=micro_batch_overhead_s)
+    (precision,) = settings.precisions
+    return choose_levers({precision: costs}, cluster, frozen_blocks=frozen_blocks, cached_blocks=cached_blocks,
+                         replica_batch=replica_batch, settings=settings).chosen
