@@ -1,0 +1,93 @@
+"""AutoFreeze inside the Hugging Face ``Trainer``: a callback that runs :class:`AutoFreezer` at every optimizer step.
+
+The Trainer gives callbacks the unwrapped model and the optimizer but not the DistributedDataParallel wrapper
+that Accelerate built (``trainer.model_wrapped``), and that wrapper's reducer must be rebuilt when layers freeze.
+So under DDP the callback is bound to its trainer (:meth:`AutoFreezeCallback.attach`); in one process it may
+also be passed to ``Trainer(callbacks=[...])`` unbound. It observes at ``on_pre_optimizer_step``: after the
+gradients are accumulated, all-reduced and clipped (``max_grad_norm``), before the update.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from pipetransformer.config import FreezeConfig
+from pipetransformer.integrations.freezer import AutoFreezer
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+__all__ = ["FROZEN_LAYERS_KEY", "AutoFreezeCallback"]
+
+logger = logging.getLogger(__name__)
+
+FROZEN_LAYERS_KEY = "autofreeze/frozen_layers"
+"""The Trainer log entry (``state.log_history``, TensorBoard, ...) with the number of leading layers frozen."""
+
+
+class AutoFreezeCallback(TrainerCallback):
+    """Freezes the converged leading layers of the Trainer's model while it trains (see :class:`AutoFreezer`).
+
+    ``settings``: ``FreezeConfig`` fields (its defaults otherwise); the decision windows are a share of the
+    Trainer's ``max_steps``. Each decision is logged through the Trainer (``trainer.log`` when bound, else into
+    ``state.log_history``) as :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
+    """
+
+    def __init__(self, settings: FreezeConfig | None = None, *, trainer: Trainer | None = None,
+                 seed: int = 0) -> None:
+        self.settings = settings
+        self.trainer = trainer
+        self.seed = seed
+        self.freezer: AutoFreezer | None = None
+        self.decisions: list[dict[str, Any]] = []
+
+    @classmethod
+    def attach(cls, trainer: Trainer, settings: FreezeConfig | None = None, *, seed: int = 0) -> AutoFreezeCallback:
+        """Add a callback bound to ``trainer`` (so it reaches the DDP wrapper) and return it."""
+        callback = cls(settings, trainer=trainer, seed=seed)
+        trainer.add_callback(callback)
+        return callback
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if model is None or optimizer is None:
+            raise ValueError("AutoFreezeCallback needs the Trainer's model and optimizer; use it with a "
+                             "transformers Trainer")
+        wrapped = self.trainer.model_wrapped if self.trainer is not None else model
+        if isinstance(wrapped, DistributedDataParallel):
+            target: nn.Module = wrapped
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("under DDP, AutoFreezeCallback must reach the Trainer's DDP wrapper: add it with "
+                             "AutoFreezeCallback.attach(trainer) instead of Trainer(callbacks=[...])")
+        else:
+            target = model
+        if state.global_step > 0:
+            raise ValueError("AutoFreezeCallback cannot resume a Trainer run yet (its saved optimizer may lack the "
+                             "frozen layers); train from the start, or use AutoFreezer in your own loop")
+        self.freezer = AutoFreezer(target, optimizer, total_steps=state.max_steps, settings=self.settings,
+                                   seed=self.seed)
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        assert self.freezer is not None, "on_train_begin builds the freezer"
+        record = self.freezer.step()
+        if record is None:
+            return
+        record["global_step"] = state.global_step
+        self.decisions.append(record)
+        logger.info("autofreeze: step %d, the first %d layers frozen", state.global_step, record["frozen_layers"])
+        if self.trainer is not None:  # to every reporter the Trainer has (TensorBoard, ...) and its log history
+            self.trainer.log({FROZEN_LAYERS_KEY: float(record["frozen_layers"])})
+        else:
+            state.log_history.append({FROZEN_LAYERS_KEY: float(record["frozen_layers"]), "step": state.global_step})
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.freezer is not None and state.is_world_process_zero:
+            logger.info("autofreeze: %s", self.freezer.outcome())
