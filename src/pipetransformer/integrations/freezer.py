@@ -87,12 +87,13 @@ class AutoFreezer:
         self._warn_if_nothing_can_freeze(total_steps)
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
-        if self.policy.name in UNWINDOWED or total_steps is None:
+        if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):
             return
         needed = self.policy.interval * self.policy.windows_before_a_freeze(self.policy.interval)
         if needed > total_steps:
             logger.warning("autofreeze: the first decision needs %d steps but the run has %d, so nothing will "
-                           "freeze; shorten settings.interval", needed, total_steps)
+                           "freeze; shorten the windows (settings interval, min_window_steps, learned_min_steps)",
+                           needed, total_steps)
 
     def step(self) -> dict[str, Any] | None:
         """Observe this step's gradients (every rank must call) and freeze what the policy decides; returns the
