@@ -85,6 +85,9 @@ class AutoFreezer:
         self.steps = 0
         self._hooks: list[RemovableHandle] = []
         self._warn_if_nothing_can_freeze(total_steps)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("autofreeze: frozen layers run without autograd, not from the activation cache (a loop gives "
+                        "no stable sample indices nor a promise of unaugmented inputs)")
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
         if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):
