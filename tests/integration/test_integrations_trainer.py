@@ -41,6 +41,7 @@ def test_the_trainer_callback_freezes_under_torchrun_and_leaves_frozen_grads_out
     assert len(reduced) == STEPS
     assert reduced[:first + 1] == [result["parameters"]] * (first + 1)
     assert reduced[-1] == result["trainable"] < result["parameters"]
+    assert result["optimized"] == result["with_state"] == result["trainable"]  # frozen: out of the optimizer too
     assert result["training_modes"] == [False] * frozen + [True] * (6 - frozen)
     history = result["log_history"]
     assert any(entry.get("autofreeze/frozen_layers") == decisions[0]["frozen_layers"] for entry in history)

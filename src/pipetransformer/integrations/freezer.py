@@ -56,17 +56,19 @@ class AutoFreezer:
 
     ``model``: a Hugging Face encoder or decoder (with or without a head, possibly inside
     ``DistributedDataParallel``), whose layers are found by structure, or a :class:`LayerStack` naming the
-    ordered layers (and the embeddings that freeze with layer 0) of any model. Call :meth:`step` on every rank
-    after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's gradients (DDP has already
-    averaged them) and, when the policy freezes layers, takes them out of ``optimizer`` before it steps.
+    ordered layers (and the embeddings that freeze with layer 0) of any model, with ``ddp`` its wrapper if any.
+    Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
+    gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
+    before it steps.
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run);
     ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled`` is ignored).
     """
 
     def __init__(self, model: nn.Module | LayerStack, optimizer: torch.optim.Optimizer, *,
-                 total_steps: int | None = None, settings: FreezeConfig | None = None, seed: int = 0) -> None:
+                 total_steps: int | None = None, settings: FreezeConfig | None = None,
+                 ddp: DistributedDataParallel | None = None, seed: int = 0) -> None:
         self.settings = settings or FreezeConfig()
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
         if isinstance(model, LayerStack):
             self.stack = model
         else:
