@@ -83,6 +83,7 @@ class AutoFreezer:
         self.optimizer = optimizer
         self.policy = policy_from_settings(self.settings, len(self.stack), seed=seed, total_steps=total_steps or 1)
         self.previous_grads = PreviousGradients()
+        self._device = next(p for layer in self.stack.layers for p in layer.parameters()).device  # the model's
         self.frozen_layers = 0
         self.steps = 0
         self._hooks: list[RemovableHandle] = []
@@ -109,7 +110,7 @@ class AutoFreezer:
             control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
             dots, valid = self.previous_grads.block_dots(self.stack, layers)
             control.layer_grad_dots[:], control.layer_dot_valid[:] = dots, valid
-        control = control.all_reduce()
+        control = control.all_reduce(device=self._device)
         self.policy.observe(control.layer_grad_norms(), control.layer_dots())
         decision = self.policy.decide(self.steps, 0, epoch_end=False)
         self.steps += 1
