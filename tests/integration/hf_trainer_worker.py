@@ -71,6 +71,26 @@ class BucketProbe(TrainerCallback):
         self.training_modes = [layer.training for layer in self.trainer.model.bert.encoder.layer]
 
 
+class RestoredState(TrainerCallback):
+    """At a resume, whether the optimizer state loaded equals the checkpoint's, tensor by tensor."""
+
+    def __init__(self, trainer: Trainer, checkpoint: str | None) -> None:
+        self.trainer = trainer
+        self.checkpoint = checkpoint
+        self.equal: bool | None = None
+        self.tensors = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.checkpoint is None:
+            return
+        saved = torch.load(Path(self.checkpoint) / "optimizer.pt", weights_only=True)["state"]
+        params = [p for group in self.trainer.optimizer.param_groups for p in group["params"]]
+        loaded = self.trainer.optimizer.state
+        self.equal = len(saved) == len(params) and all(
+            torch.equal(saved[i][key], loaded[param][key]) for i, param in enumerate(params) for key in saved[i])
+        self.tensors = sum(len(entry) for entry in saved.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -78,6 +98,9 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=5)
     parser.add_argument("--learned-min-steps", type=int, default=5)
     parser.add_argument("--threshold", type=float, default=FreezeConfig.threshold)
+    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every this many steps")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    parser.add_argument("--result", default="result.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(minilm_path())
@@ -86,7 +109,8 @@ def main() -> None:
     training = TrainingArguments(output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=8,
                                  per_device_eval_batch_size=32, max_steps=args.steps, learning_rate=5e-5,
                                  logging_steps=5, average_tokens_across_devices=False, report_to=[],
-                                 save_strategy="no", use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0,
+                                 save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 1,
+                                 use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0,
                                  dataloader_num_workers=0)
 
     def accuracy(prediction: EvalPrediction) -> dict[str, float]:
@@ -99,10 +123,13 @@ def main() -> None:
     settings = FreezeConfig(interval=args.interval, interval_unit="steps", learned_min_steps=args.learned_min_steps,
                             threshold=args.threshold)
     autofreeze = AutoFreezeCallback.attach(trainer, settings)
-    trainer.train()
+    restored = RestoredState(trainer, args.resume)
+    trainer.add_callback(restored)
+    trainer.train(resume_from_checkpoint=args.resume)
     metrics = trainer.evaluate()
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out, "result.json").write_text(json.dumps({
+        Path(args.out, args.result).write_text(json.dumps({
+            "restored_state_equal": restored.equal, "restored_tensors": restored.tensors,
             "decisions": autofreeze.decisions, "log_history": trainer.state.log_history,
             "reduced_per_step": probe.per_step, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -5,17 +5,25 @@ that Accelerate built (``trainer.model_wrapped``), and that wrapper's reducer mu
 So under DDP the callback is bound to its trainer (:meth:`AutoFreezeCallback.attach`); in one process it may
 also be passed to ``Trainer(callbacks=[...])`` unbound. It observes at ``on_pre_optimizer_step``: after the
 gradients are accumulated, all-reduced and clipped (``max_grad_norm``), before the update.
+
+A bound callback also resumes: it saves its state into each checkpoint folder, and at ``resume_from_checkpoint``
+freezes the saved boundary before the Trainer loads the saved optimizer (which holds only the parameters that were
+still training); the Trainer offers no callback event there, so ``attach`` wraps the bound trainer's
+``_load_optimizer_and_scheduler``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pipetransformer.config import FreezeConfig
 from pipetransformer.integrations.freezer import AutoFreezer
@@ -23,12 +31,14 @@ from pipetransformer.integrations.freezer import AutoFreezer
 if TYPE_CHECKING:
     from transformers import Trainer
 
-__all__ = ["FROZEN_LAYERS_KEY", "AutoFreezeCallback"]
+__all__ = ["FROZEN_LAYERS_KEY", "STATE_FILE", "AutoFreezeCallback"]
 
 logger = logging.getLogger(__name__)
 
 FROZEN_LAYERS_KEY = "autofreeze/frozen_layers"
 """The Trainer log entry (``state.log_history``, TensorBoard, ...) with the number of leading layers frozen."""
+STATE_FILE = "autofreeze.json"
+"""The freezer's state in each Trainer checkpoint folder."""
 
 
 class AutoFreezeCallback(TrainerCallback):
@@ -52,13 +62,17 @@ class AutoFreezeCallback(TrainerCallback):
         """Add a callback bound to ``trainer`` (so it reaches the DDP wrapper) and return it."""
         callback = cls(settings, trainer=trainer, seed=seed)
         trainer.add_callback(callback)
+        load_optimizer = trainer._load_optimizer_and_scheduler
+
+        def restore_then_load(checkpoint: str | None) -> None:
+            if checkpoint is not None and (Path(checkpoint) / STATE_FILE).is_file():
+                callback._restore(Path(checkpoint) / STATE_FILE)
+            load_optimizer(checkpoint)
+
+        trainer._load_optimizer_and_scheduler = restore_then_load  # type: ignore[method-assign]
         return callback
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
-                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
-        if model is None or optimizer is None:
-            raise ValueError("AutoFreezeCallback needs the Trainer's model and optimizer; use it with a "
-                             "transformers Trainer")
+    def _build(self, model: nn.Module, optimizer: Any, max_steps: int) -> None:
         wrapped = self.trainer.model_wrapped if self.trainer is not None else model
         if isinstance(wrapped, DistributedDataParallel):
             target: nn.Module = wrapped
@@ -67,11 +81,32 @@ class AutoFreezeCallback(TrainerCallback):
                              "AutoFreezeCallback.attach(trainer) instead of Trainer(callbacks=[...])")
         else:
             target = model
+        self.freezer = AutoFreezer(target, optimizer, total_steps=max_steps, settings=self.settings, seed=self.seed)
+
+    def _restore(self, path: Path) -> None:
+        """A resumed run: freeze the checkpoint's boundary, so the saved optimizer (without it) loads."""
+        assert self.trainer is not None
+        self._build(self.trainer.model, self.trainer.optimizer, self.trainer.state.max_steps)
+        assert self.freezer is not None
+        self.freezer.load_state_dict(json.loads(path.read_text()))
+        logger.info("autofreeze: resumed with the first %d layers frozen", self.freezer.frozen_layers)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.freezer is not None:  # restored from a checkpoint
+            return
+        if model is None or optimizer is None:
+            raise ValueError("AutoFreezeCallback needs the Trainer's model and optimizer; use it with a "
+                             "transformers Trainer")
         if state.global_step > 0:
-            raise ValueError("AutoFreezeCallback cannot resume a Trainer run yet (its saved optimizer may lack the "
-                             "frozen layers); train from the start, or use AutoFreezer in your own loop")
-        self.freezer = AutoFreezer(target, optimizer, total_steps=state.max_steps, settings=self.settings,
-                                   seed=self.seed)
+            logger.warning("autofreeze: the checkpoint has no %s (bind the callback with AutoFreezeCallback.attach "
+                           "to save it): the freeze policy starts afresh at step %d", STATE_FILE, state.global_step)
+        self._build(model, optimizer, state.max_steps)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if self.freezer is not None and state.is_world_process_zero and folder.is_dir():
+            (folder / STATE_FILE).write_text(json.dumps(self.freezer.state_dict()))
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
