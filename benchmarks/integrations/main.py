@@ -142,6 +142,7 @@ def _markdown(summary: dict[str, Any], results: list[dict[str, Any]], header: st
         frozen = ", ".join(f"{d['frozen_layers']} ({d['step']})" for d in r["decisions"]) or "-"
         lines.append(f"| {r['configuration']} | {r['seed']} | {r['train_s']:.1f} | {r['samples_per_s']:.2f} | "
                      f"{r['test_accuracy'] * PERCENT:.2f} | {frozen} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
+    lines += [""] + [f"- AutoFreeze seed {r['seed']}: {r['outcome']}" for r in results if r["outcome"]]
     low, high = summary["speed_ratio_range"]
     dlow, dhigh = summary["accuracy_points_range"]
     lines += ["", f"Speed ratio (baseline / AutoFreeze train time): median {summary['speed_ratio_median']:.3f}x, "
