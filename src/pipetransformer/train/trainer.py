@@ -212,6 +212,7 @@ class Trainer:
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
         if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
             summary["freeze_outcome"] = self.freezer.policy.outcome()
+            summary["freeze_prior"] = self.freezer.prior.describe()
             if self.env.is_main:
                 logger.info("freeze: %s", summary["freeze_outcome"])
         if self.config.run.save_model:
