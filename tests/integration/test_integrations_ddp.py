@@ -29,7 +29,7 @@ STEPS = 10
 CHECKPOINT_AT = 6  # after the freeze, before the end
 LR = 1e-3
 # A geometric window of 4 steps: 2 of the 6 layers (max_fraction 1/3) freeze after step 4, a second window adds none.
-SETTINGS = FreezeConfig(policy="geometric", interval=4, interval_unit="steps")
+SETTINGS = FreezeConfig(policy="geometric", interval=4, interval_unit="steps", max_fraction=1 / 3)
 EXPECTED_FROZEN = 2
 
 

@@ -22,7 +22,7 @@ STEPS = 24
 ROWS = 16
 LR = 3e-3
 FREEZE_AFTER = 8
-SETTINGS = FreezeConfig(policy="geometric", interval=FREEZE_AFTER, interval_unit="steps")
+SETTINGS = FreezeConfig(policy="geometric", interval=FREEZE_AFTER, interval_unit="steps", max_fraction=1 / 3)
 EXPECTED_FROZEN = 2  # max_fraction 1/3 of 6 layers
 AVERAGED = 4  # losses averaged at each end of the run
 

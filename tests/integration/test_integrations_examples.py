@@ -22,5 +22,5 @@ def test_the_example_runs_and_reports_the_freeze_outcome(example: str, tmp_path:
     result = subprocess.run([sys.executable, str(ROOT / "examples" / example), *TINY], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    # 12 steps are too few for a decision window of the defaults' floor (10 steps) plus the coherence test: it says so
-    assert "nothing froze in 1 decision windows" in result.stdout, result.stdout
+    # 12 steps are too few for the defaults' coherence test (4 windows of at least 10 steps): the outcome says so
+    assert "nothing froze" in result.stdout and "decision windows" in result.stdout, result.stdout

@@ -23,7 +23,8 @@ from torch.utils.hooks import RemovableHandle
 
 from pipetransformer.config import FreezeConfig
 from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, drop_from_optimizer, pin_eval
-from pipetransformer.freeze.policies import UNWINDOWED, frozen_prefix_layers, policy_from_settings
+from pipetransformer.freeze.policies import (UNWINDOWED, FreezePrior, frozen_prefix_layers, policy_from_settings,
+                                             resolve_prior)
 from pipetransformer.integrations.ddp import drop_frozen_from_ddp
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
 from pipetransformer.train.control import ControlVector
@@ -60,12 +61,16 @@ class AutoFreezer:
     Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
     gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
     before it steps.
-    ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run);
-    ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled`` is ignored).
+    ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
+    ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
+    evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
+    is ignored). Its ``prior`` freezes the embeddings from the first step for pretrained weights: ``pretrained``
+    says whether they are (default: a Hugging Face model loaded with ``from_pretrained``, which records its path).
     """
 
     def __init__(self, model: nn.Module | LayerStack, optimizer: torch.optim.Optimizer, *,
                  total_steps: int | None = None, settings: FreezeConfig | None = None,
+                 learning_rates: Sequence[float] | None = None, pretrained: bool | None = None,
                  ddp: DistributedDataParallel | None = None, seed: int = 0) -> None:
         self.settings = settings or FreezeConfig()
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
@@ -81,16 +86,22 @@ class AutoFreezer:
             raise ValueError("AutoFreezer needs total_steps (the planned optimizer steps) to size its decision "
                              "windows as a share of the run; pass total_steps=, or settings with interval_unit='steps'")
         self.optimizer = optimizer
-        self.policy = policy_from_settings(self.settings, len(self.stack), seed=seed, total_steps=total_steps or 1)
+        if pretrained is None:
+            pretrained = bool(getattr(getattr(self.stack.model, "config", None), "name_or_path", ""))
+        self.prior: FreezePrior = resolve_prior(self.settings.prior, len(self.stack), pretrained=pretrained)
+        self.policy = policy_from_settings(self.settings, len(self.stack), seed=seed, total_steps=total_steps or 1,
+                                           prior_layers=self.prior.layers, learning_rates=learning_rates)
         self.previous_grads = PreviousGradients()
         self._device = next(p for layer in self.stack.layers for p in layer.parameters()).device  # the model's
         self.frozen_layers = 0
+        self._frozen_modules: set[int] = set()
         self.steps = 0
         self._hooks: list[RemovableHandle] = []
         self._warn_if_nothing_can_freeze(total_steps)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.info("autofreeze: frozen layers run without autograd, not from the activation cache (a loop gives "
-                        "no stable sample indices nor a promise of unaugmented inputs)")
+            logger.info("autofreeze: %s; frozen layers run without autograd, not from the activation cache (a loop "
+                        "gives no stable sample indices nor a promise of unaugmented inputs)", self.prior.describe())
+        self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior, before the first step
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
         if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):
@@ -122,16 +133,17 @@ class AutoFreezer:
                 **{k: v for k, v in decision.details.items() if isinstance(v, (int, float, str, list))}}
 
     def _freeze(self, frozen_layers: int) -> None:
-        """Freeze the first ``frozen_layers`` layers (and the embeddings) in the model, the optimizer and DDP."""
-        if frozen_layers <= self.frozen_layers:
+        """Freeze the first ``frozen_layers`` layers and the embeddings (with layer 0 or by the prior) in the model,
+        the optimizer and DDP."""
+        parameters, modules = self.stack.prefix(frozen_layers, embeddings=self.prior.embeddings)
+        if not {id(m) for m in modules} - self._frozen_modules:
             return
-        parameters, modules = self.stack.prefix(frozen_layers)
         for parameter in parameters:
             parameter.requires_grad_(False)
             parameter.grad = None
-        already = set(map(id, self.stack.prefix(self.frozen_layers)[1]))
         for module in modules:
-            if id(module) not in already:
+            if id(module) not in self._frozen_modules:
+                self._frozen_modules.add(id(module))
                 pin_eval(module)
                 hooks = _NoGrad()
                 self._hooks.append(module.register_forward_pre_hook(hooks.before))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -45,7 +46,7 @@ class AutoFreezeCallback(TrainerCallback):
     """Freezes the converged leading layers of the Trainer's model while it trains (see :class:`AutoFreezer`).
 
     ``settings``: ``FreezeConfig`` fields (its defaults otherwise); the decision windows are a share of the
-    Trainer's ``max_steps``. Each decision is logged through the Trainer (``trainer.log`` when bound, else into
+    Trainer's ``max_steps``, and its learning-rate schedule bounds how deep evidence may freeze by each step. Each decision is logged through the Trainer (``trainer.log`` when bound, else into
     ``state.log_history``) as :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
     """
 
@@ -72,7 +73,7 @@ class AutoFreezeCallback(TrainerCallback):
         trainer._load_optimizer_and_scheduler = restore_then_load  # type: ignore[method-assign]
         return callback
 
-    def _build(self, model: nn.Module, optimizer: Any, max_steps: int) -> None:
+    def _build(self, model: nn.Module, optimizer: Any, max_steps: int, lr_scheduler: Any) -> None:
         wrapped = self.trainer.model_wrapped if self.trainer is not None else model
         if isinstance(wrapped, DistributedDataParallel):
             target: nn.Module = wrapped
@@ -81,18 +82,21 @@ class AutoFreezeCallback(TrainerCallback):
                              "AutoFreezeCallback.attach(trainer) instead of Trainer(callbacks=[...])")
         else:
             target = model
-        self.freezer = AutoFreezer(target, optimizer, total_steps=max_steps, settings=self.settings, seed=self.seed)
+        self.freezer = AutoFreezer(target, optimizer, total_steps=max_steps, settings=self.settings, seed=self.seed,
+                                   learning_rates=_learning_rates(lr_scheduler, max_steps))
 
     def _restore(self, path: Path) -> None:
         """A resumed run: freeze the checkpoint's boundary, so the saved optimizer (without it) loads."""
         assert self.trainer is not None
-        self._build(self.trainer.model, self.trainer.optimizer, self.trainer.state.max_steps)
+        self._build(self.trainer.model, self.trainer.optimizer, self.trainer.state.max_steps,
+                    self.trainer.lr_scheduler)
         assert self.freezer is not None
         self.freezer.load_state_dict(json.loads(path.read_text()))
         logger.info("autofreeze: resumed with the first %d layers frozen", self.freezer.frozen_layers)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
-                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+                       model: nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
+                       **kwargs: Any) -> None:
         if self.freezer is not None:  # restored from a checkpoint
             return
         if model is None or optimizer is None:
@@ -101,7 +105,7 @@ class AutoFreezeCallback(TrainerCallback):
         if state.global_step > 0:
             logger.warning("autofreeze: the checkpoint has no %s (bind the callback with AutoFreezeCallback.attach "
                            "to save it): the freeze policy starts afresh at step %d", STATE_FILE, state.global_step)
-        self._build(model, optimizer, state.max_steps)
+        self._build(model, optimizer, state.max_steps, lr_scheduler)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -126,3 +130,12 @@ class AutoFreezeCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.freezer is not None and state.is_world_process_zero:
             logger.info("autofreeze: %s", self.freezer.outcome())
+
+
+def _learning_rates(lr_scheduler: Any, max_steps: int) -> list[float] | None:
+    """The Trainer's schedule as a factor per step (its schedulers are ``LambdaLR``s), for the freeze policy's
+    learning-rate budget; None (a constant rate) for any other scheduler."""
+    if not isinstance(lr_scheduler, LambdaLR):
+        return None
+    factor = lr_scheduler.lr_lambdas[0]
+    return [float(factor(step)) for step in range(max_steps)]

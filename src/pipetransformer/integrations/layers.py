@@ -3,7 +3,7 @@
 The layer list is looked up at the attribute paths ``models/hf.py`` splits encoders by (BERT-like
 ``encoder.layer``, Llama-style ``layers``) plus GPT-2's ``h``, under the model's ``base_model`` (so a
 ``...ForSequenceClassification`` or ``...ForCausalLM`` is searched where its trunk is). The embeddings freeze
-with layer 0, as in the trainer, except a parameter the rest of the model also uses (GPT-2's and Llama's tied
+with layer 0 (or alone, by the freeze prior), as in the trainer, except a parameter the rest of the model also uses (GPT-2's and Llama's tied
 token table is the LM head's weight): that one keeps training.
 """
 
@@ -63,10 +63,10 @@ class LayerStack:
                      for p in m.parameters(recurse=False)}
         return {id(p) for e in self.embeddings for p in e.parameters()} & elsewhere
 
-    def prefix(self, frozen_layers: int) -> tuple[list[nn.Parameter], list[nn.Module]]:
-        """The parameters that freeze with the first ``frozen_layers`` layers, and the modules that become wholly
-        frozen (run in eval mode and without autograd)."""
-        if frozen_layers == 0:
+    def prefix(self, frozen_layers: int, embeddings: bool = False) -> tuple[list[nn.Parameter], list[nn.Module]]:
+        """The parameters that freeze with the first ``frozen_layers`` layers (and the embeddings, which also freeze
+        alone with ``embeddings``: a prior), and the modules that become wholly frozen (eval mode, no autograd)."""
+        if frozen_layers == 0 and not embeddings:
             return [], []
         shared = self.shared_embedding_parameters()
         modules = [e for e in self.embeddings if not any(id(p) in shared for p in e.parameters())]
