@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,500 training snippets, 1 epoch (a smoke run)")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="training seeds (default 3)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default: beside this script)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/ beside this script)")
     parser.add_argument("--worker", choices=CONFIGURATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         args.configuration = args.worker
         worker(args)
         return
-    out = args.out or HERE
+    out = args.out or HERE / "results"
     runs = out / ("runs-quick" if args.quick else "runs")
     runs.mkdir(parents=True, exist_ok=True)
     results = []

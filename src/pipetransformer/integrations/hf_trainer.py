@@ -46,8 +46,9 @@ class AutoFreezeCallback(TrainerCallback):
     """Freezes the converged leading layers of the Trainer's model while it trains (see :class:`AutoFreezer`).
 
     ``settings``: ``FreezeConfig`` fields (its defaults otherwise); the decision windows are a share of the
-    Trainer's ``max_steps``, and its learning-rate schedule bounds how deep evidence may freeze by each step. Each decision is logged through the Trainer (``trainer.log`` when bound, else into
-    ``state.log_history``) as :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
+    Trainer's ``max_steps``, and its learning-rate schedule bounds how deep evidence may freeze by each step.
+    Each decision is logged through the Trainer (``trainer.log`` when bound, else into ``state.log_history``) as
+    :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
     """
 
     def __init__(self, settings: FreezeConfig | None = None, *, trainer: Trainer | None = None,

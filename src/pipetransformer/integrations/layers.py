@@ -3,8 +3,8 @@
 The layer list is looked up at the attribute paths ``models/hf.py`` splits encoders by (BERT-like
 ``encoder.layer``, Llama-style ``layers``) plus GPT-2's ``h``, under the model's ``base_model`` (so a
 ``...ForSequenceClassification`` or ``...ForCausalLM`` is searched where its trunk is). The embeddings freeze
-with layer 0 (or alone, by the freeze prior), as in the trainer, except a parameter the rest of the model also uses (GPT-2's and Llama's tied
-token table is the LM head's weight): that one keeps training.
+with layer 0 (or alone, by the freeze prior), as in the trainer, except a parameter the rest of the model also
+uses (a tied token table is the LM head's weight, as in GPT-2): that one keeps training.
 """
 
 from __future__ import annotations
