@@ -152,8 +152,8 @@ class AutoFreezer:
         if self.ddp is not None:
             drop_frozen_from_ddp(self.ddp)
         self.frozen_layers = frozen_layers
-        logger.info("autofreeze: step %d, the first %d of %d layers frozen", self.steps, frozen_layers,
-                    len(self.stack))
+        logger.info("autofreeze: step %d, the embeddings and the first %d of %d layers frozen", self.steps,
+                    frozen_layers, len(self.stack))
 
     def outcome(self) -> str:
         """One line: how many layers froze, or why none did."""
