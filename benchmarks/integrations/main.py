@@ -1,0 +1,189 @@
+"""The Hugging Face Trainer with and without AutoFreezeCallback: wall time and test accuracy, same task, same seeds.
+
+MiniLM-L6 (``AutoModelForSequenceClassification``) fine-tuned on Rotten Tomatoes snippets by ``transformers.Trainer``
+on 2 gloo processes under torchrun (1 thread each), the settings of ``configs/text_minilm_ddp.yaml``: global batch
+32, AdamW lr 1e-4, weight decay 0.01, 6% linear warm-up then linear decay, gradient clip 1.0, 64 tokens at most
+(batches padded to their longest), 3 epochs of the whole training split. The callback uses the package's default
+freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on the test split of ``split_seed``
+52049, a split no earlier run of this project has read (the others use 0). Runs are interleaved per seed
+(baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
+
+    .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, about 1.5 hours
+    .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+SPLIT_SEED = 52049
+"""A validation/test split no earlier run has read (the project's runs use split_seed 0)."""
+SEEDS = (0, 1, 2)
+CONFIGURATIONS = ("baseline", "autofreeze")
+NPROC = 2
+PER_DEVICE_BATCH = 16  # global batch 32, as configs/text_minilm.yaml
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01
+WARMUP_RATIO = 0.06  # a float warmup_steps is a share of the run in transformers 5
+GRAD_CLIP = 1.0
+MAX_LENGTH = 64
+EVAL_BATCH = 128
+RUN_TIMEOUT_S = 3 * 3600
+TARGET_SPEEDUP = 1.3
+TARGET_ACCURACY_POINTS = 0.5
+PERCENT = 100.0
+
+
+@dataclass(frozen=True)
+class Scale:
+    train_rows: int | None  # None: the whole training split
+    test_rows: int | None
+    epochs: int
+
+
+FULL = Scale(train_rows=None, test_rows=None, epochs=3)
+QUICK = Scale(train_rows=1500, test_rows=512, epochs=1)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One run under torchrun: train, test once, and (rank 0) write the result as JSON."""
+    import numpy as np
+    import torch
+    from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding, EvalPrediction, Trainer,
+                              TrainingArguments)
+
+    from pipetransformer.data import SampleLimits, load_rotten_tomatoes
+    from pipetransformer.integrations import AutoFreezeCallback
+    from pipetransformer.models.hf import load_tokenizer, minilm_path
+
+    torch.set_num_threads(1)
+    scale = QUICK if args.quick else FULL
+    tokenizer = load_tokenizer(minilm_path())
+    splits = load_rotten_tomatoes(tokenizer, MAX_LENGTH, seed=SPLIT_SEED,
+                                  limits=SampleLimits(train=scale.train_rows, test=scale.test_rows))
+
+    def rows(data: Any) -> list[dict[str, Any]]:  # unpadded: the collator pads each batch to its longest
+        return [{"input_ids": data.input_ids[i, :data.lengths[i]].tolist(), "labels": int(data.labels[i])}
+                for i in range(len(data))]
+
+    def accuracy(prediction: EvalPrediction) -> dict[str, float]:
+        return {"accuracy": float(np.mean(np.argmax(prediction.predictions, axis=-1) == prediction.label_ids))}
+
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    training = TrainingArguments(
+        output_dir=tempfile.mkdtemp(), seed=args.seed, num_train_epochs=scale.epochs,
+        per_device_train_batch_size=PER_DEVICE_BATCH, per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=WARMUP_RATIO, lr_scheduler_type="linear",
+        max_grad_norm=GRAD_CLIP, use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
+        logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
+        average_tokens_across_devices=False)  # else transformers doubles a classifier's loss and gradient under DDP
+    trainer = Trainer(model=model, args=training, train_dataset=rows(splits.train), eval_dataset=rows(splits.test),
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
+    callback = AutoFreezeCallback.attach(trainer) if args.configuration == "autofreeze" else None
+    trained = trainer.train()
+    tested = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        Path(args.worker_out).write_text(json.dumps({
+            "configuration": args.configuration, "seed": args.seed, "train_s": trained.metrics["train_runtime"],
+            "samples_per_s": trained.metrics["train_samples_per_second"], "train_loss": trained.training_loss,
+            "steps": trained.global_step, "test_accuracy": tested["eval_accuracy"], "test_loss": tested["eval_loss"],
+            "decisions": [{"step": d["global_step"], "frozen_layers": d["frozen_layers"]}
+                          for d in (callback.decisions if callback else [])],
+            "outcome": callback.freezer.outcome() if callback and callback.freezer else None}))
+
+
+def _run(configuration: str, seed: int, quick: bool, out: Path) -> dict[str, Any]:
+    result_file = out / f"{configuration}-seed{seed}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+               str(Path(__file__).resolve()), "--worker", configuration, "--seed", str(seed),
+               "--worker-out", str(result_file)] + (["--quick"] if quick else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
+    started, load_before = time.time(), os.getloadavg()[0]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{configuration} seed {seed} failed:\n{done.stderr[-4000:]}")
+    result = json.loads(result_file.read_text())
+    result.update(wall_s=time.time() - started, load_before=load_before, load_after=os.getloadavg()[0])
+    return result
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per seed the speed ratio (baseline train time / AutoFreeze's) and the accuracy change, then median and range."""
+    by = {(r["configuration"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    ratios = [by["baseline", s]["train_s"] / by["autofreeze", s]["train_s"] for s in seeds]
+    deltas = [(by["autofreeze", s]["test_accuracy"] - by["baseline", s]["test_accuracy"]) * PERCENT for s in seeds]
+    mean_accuracy = {c: statistics.mean(by[c, s]["test_accuracy"] * PERCENT for s in seeds) for c in CONFIGURATIONS}
+    return {"speed_ratio_median": statistics.median(ratios), "speed_ratio_range": [min(ratios), max(ratios)],
+            "accuracy_points_mean_change": statistics.mean(deltas), "accuracy_points_range": [min(deltas), max(deltas)],
+            "mean_test_accuracy": mean_accuracy,
+            "target_met": statistics.median(ratios) >= TARGET_SPEEDUP
+            and statistics.mean(deltas) >= -TARGET_ACCURACY_POINTS}
+
+
+def _markdown(summary: dict[str, Any], results: list[dict[str, Any]], header: str) -> str:
+    lines = [f"# integrations: Trainer with and without AutoFreezeCallback ({header})", "",
+             "| configuration | seed | train s | samples/s | test accuracy | frozen layers (at step) | load |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        frozen = ", ".join(f"{d['frozen_layers']} ({d['step']})" for d in r["decisions"]) or "-"
+        lines.append(f"| {r['configuration']} | {r['seed']} | {r['train_s']:.1f} | {r['samples_per_s']:.2f} | "
+                     f"{r['test_accuracy'] * PERCENT:.2f} | {frozen} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
+    lines += [""] + [f"- AutoFreeze seed {r['seed']}: {r['outcome']}" for r in results if r["outcome"]]
+    low, high = summary["speed_ratio_range"]
+    dlow, dhigh = summary["accuracy_points_range"]
+    lines += ["", f"Speed ratio (baseline / AutoFreeze train time): median {summary['speed_ratio_median']:.3f}x, "
+              f"range {low:.3f}-{high:.3f}. Test accuracy change: mean {summary['accuracy_points_mean_change']:+.2f} "
+              f"points, range {dlow:+.2f} to {dhigh:+.2f}. Target (>= {TARGET_SPEEDUP}x within "
+              f"{TARGET_ACCURACY_POINTS} points): {'met' if summary['target_met'] else 'not met'}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,500 training snippets, 1 epoch (a smoke run)")
+    parser.add_argument("--seeds", type=int, default=len(SEEDS), help="training seeds (default 3)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/ beside this script)")
+    parser.add_argument("--worker", choices=CONFIGURATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.configuration = args.worker
+        worker(args)
+        return
+    out = args.out or HERE / "results"
+    runs = out / ("runs-quick" if args.quick else "runs")
+    runs.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in SEEDS[:args.seeds]:
+        order = CONFIGURATIONS if seed % 2 == 0 else tuple(reversed(CONFIGURATIONS))
+        for configuration in order:
+            result = _run(configuration, seed, args.quick, runs)
+            print(f"{configuration} seed {seed}: {result['train_s']:.1f} s, test accuracy "
+                  f"{result['test_accuracy'] * PERCENT:.2f}, frozen {result['decisions']}", flush=True)
+            results.append(result)
+    summary = summarize(results)
+    name = "results-quick" if args.quick else "results"
+    header = f"{'--quick' if args.quick else 'full'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, " \
+             f"{platform.node()}, split_seed {SPLIT_SEED}"
+    (out / f"{name}.json").write_text(json.dumps({"header": header, "summary": summary, "runs": results}, indent=1))
+    (out / f"{name}.md").write_text(_markdown(summary, results, header))
+    print(_markdown(summary, results, header))
+
+
+if __name__ == "__main__":
+    main()

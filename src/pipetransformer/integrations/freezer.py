@@ -1,0 +1,172 @@
+"""AutoFreeze for a plain PyTorch loop: observe each step's per-layer gradients, decide with the package's freeze
+policy, and freeze the converged leading layers of the user's own model, optimizer and DDP wrapper.
+
+The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2`` and ``g_t . g_{t-1}`` from
+``freeze.apply``, all-reduced in a ``train.control.ControlVector`` so every rank takes the same decision, the
+policy built by ``freeze.policies.policy_from_settings`` from ``config.FreezeConfig`` (its defaults unless the
+caller passes settings). A decision freezes the layers' parameters (``requires_grad`` off, out of the optimizer,
+every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
+of DDP's all-reduce (``integrations.ddp``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+from pipetransformer.config import FreezeConfig
+from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, drop_from_optimizer, pin_eval
+from pipetransformer.freeze.policies import (UNWINDOWED, FreezePrior, frozen_prefix_layers, policy_from_settings,
+                                             resolve_prior)
+from pipetransformer.integrations.ddp import drop_frozen_from_ddp
+from pipetransformer.integrations.layers import LayerStack, find_layer_stack
+from pipetransformer.train.control import ControlVector
+
+__all__ = ["AutoFreezer"]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+FRACTION = "fraction"
+EPOCHS = "epochs"
+
+
+class _NoGrad:
+    """Forward hooks that run a frozen module without autograd and restore the caller's grad mode after it."""
+
+    def __init__(self) -> None:
+        self._modes: list[bool] = []
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        self._modes.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        torch.set_grad_enabled(self._modes.pop())
+
+
+class AutoFreezer:
+    """Freezes the converged leading layers of ``model`` while a plain loop trains it.
+
+    ``model``: a Hugging Face encoder or decoder (with or without a head, possibly inside
+    ``DistributedDataParallel``), whose layers are found by structure, or a :class:`LayerStack` naming the
+    ordered layers (and the embeddings that freeze with layer 0) of any model, with ``ddp`` its wrapper if any.
+    Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
+    gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
+    before it steps.
+    ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
+    ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
+    evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
+    is ignored). Its ``prior`` freezes the embeddings from the first step for pretrained weights: ``pretrained``
+    says whether they are (default: a Hugging Face model loaded with ``from_pretrained``, which records its path).
+    """
+
+    def __init__(self, model: nn.Module | LayerStack, optimizer: torch.optim.Optimizer, *,
+                 total_steps: int | None = None, settings: FreezeConfig | None = None,
+                 learning_rates: Sequence[float] | None = None, pretrained: bool | None = None,
+                 ddp: DistributedDataParallel | None = None, seed: int = 0) -> None:
+        self.settings = settings or FreezeConfig()
+        self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
+        if isinstance(model, LayerStack):
+            self.stack = model
+        else:
+            self.stack = find_layer_stack(model.module if isinstance(model, DistributedDataParallel) else model)
+        if self.settings.interval_unit == EPOCHS:
+            raise ValueError("AutoFreezer counts optimizer steps, not epochs: use settings with interval_unit "
+                             "'fraction' (the default, with total_steps=) or 'steps'")
+        if self.settings.interval_unit == FRACTION and self.settings.policy not in UNWINDOWED \
+                and (total_steps is None or total_steps < 1):
+            raise ValueError("AutoFreezer needs total_steps (the planned optimizer steps) to size its decision "
+                             "windows as a share of the run; pass total_steps=, or settings with interval_unit='steps'")
+        self.optimizer = optimizer
+        if pretrained is None:
+            pretrained = bool(getattr(getattr(self.stack.model, "config", None), "name_or_path", ""))
+        self.prior: FreezePrior = resolve_prior(self.settings.prior, len(self.stack), pretrained=pretrained)
+        self.policy = policy_from_settings(self.settings, len(self.stack), seed=seed, total_steps=total_steps or 1,
+                                           prior_layers=self.prior.layers, learning_rates=learning_rates)
+        self.previous_grads = PreviousGradients()
+        self._device = next(p for layer in self.stack.layers for p in layer.parameters()).device  # the model's
+        self.frozen_layers = 0
+        self._frozen_modules: set[int] = set()
+        self.steps = 0
+        self._hooks: list[RemovableHandle] = []
+        self._warn_if_nothing_can_freeze(total_steps)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("autofreeze: %s; frozen layers run without autograd, not from the activation cache (a loop "
+                        "gives no stable sample indices nor a promise of unaugmented inputs)", self.prior.describe())
+        self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior, before the first step
+
+    def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
+        if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):
+            return
+        needed = self.policy.interval * self.policy.windows_before_a_freeze(self.policy.interval)
+        if needed > total_steps:
+            logger.warning("autofreeze: the first decision needs %d steps but the run has %d, so nothing will "
+                           "freeze; shorten the windows (settings interval, min_window_steps, learned_min_steps)",
+                           needed, total_steps)
+
+    def step(self) -> dict[str, Any] | None:
+        """Observe this step's gradients (every rank must call) and freeze what the policy decides; returns the
+        decision's record (``step``, ``frozen_layers`` and the policy's numbers) when layers froze, else None."""
+        layers = range(len(self.stack))
+        control = ControlVector.zeros(len(self.stack))
+        if not dist.is_initialized() or dist.get_rank() == 0:  # after DDP's all-reduce every rank holds the same
+            control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
+            dots, valid = self.previous_grads.block_dots(self.stack, layers)
+            control.layer_grad_dots[:], control.layer_dot_valid[:] = dots, valid
+        control = control.all_reduce(device=self._device)
+        self.policy.observe(control.layer_grad_norms(), control.layer_dots())
+        decision = self.policy.decide(self.steps, 0, epoch_end=False)
+        self.steps += 1
+        if decision is None:
+            return None
+        frozen = frozen_prefix_layers(decision.frozen)
+        self._freeze(frozen)
+        return {"step": decision.step, "frozen_layers": frozen,
+                **{k: v for k, v in decision.details.items() if isinstance(v, (int, float, str, list))}}
+
+    def _freeze(self, frozen_layers: int) -> None:
+        """Freeze the first ``frozen_layers`` layers and the embeddings (with layer 0 or by the prior) in the model,
+        the optimizer and DDP."""
+        parameters, modules = self.stack.prefix(frozen_layers, embeddings=self.prior.embeddings)
+        if not {id(m) for m in modules} - self._frozen_modules:
+            return
+        for parameter in parameters:
+            parameter.requires_grad_(False)
+            parameter.grad = None
+        for module in modules:
+            if id(module) not in self._frozen_modules:
+                self._frozen_modules.add(id(module))
+                pin_eval(module)
+                hooks = _NoGrad()
+                self._hooks.append(module.register_forward_pre_hook(hooks.before))
+                self._hooks.append(module.register_forward_hook(hooks.after, always_call=True))
+        drop_from_optimizer(self.optimizer, set(map(id, parameters)))
+        if self.ddp is not None:
+            drop_frozen_from_ddp(self.ddp)
+        self.frozen_layers = frozen_layers
+        logger.info("autofreeze: step %d, the embeddings and the first %d of %d layers frozen", self.steps,
+                    frozen_layers, len(self.stack))
+
+    def outcome(self) -> str:
+        """One line: how many layers froze, or why none did."""
+        return self.policy.outcome()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's counters and frozen set: put it in your checkpoint beside the model and optimizer."""
+        return {"version": STATE_VERSION, "steps": self.steps, "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a checkpointed run: re-freeze its layers. Call it before ``optimizer.load_state_dict`` (the
+        saved optimizer holds only the parameters that were still training)."""
+        self.policy.load_state_dict(state["policy"])
+        self.steps = int(state["steps"])
+        self._freeze(frozen_prefix_layers(self.policy.frozen))
+

@@ -1,0 +1,26 @@
+"""The integrations' examples run as a user runs them (at a tiny size), so docs/integrations.md stays true."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+TINY = ["--steps", "12", "--rows", "64"]
+
+
+@pytest.mark.parametrize("example", ["autofreeze_plain_loop.py", "autofreeze_trainer.py"])
+def test_the_example_runs_and_reports_the_freeze_outcome(example: str, tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / example), *TINY], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # 12 steps are too few for the defaults' coherence test (4 windows of at least 10 steps): the outcome says so
+    assert "nothing froze" in result.stdout and "decision windows" in result.stdout, result.stdout

@@ -1,0 +1,73 @@
+"""AutoFreezeCallback inside the Hugging Face Trainer on 2 gloo processes under torchrun: MiniLM fine-tuned on
+Rotten Tomatoes snippets, layers freeze mid-run with the coherence policy (short windows), DDP keeps working, the
+frozen gradients leave the all-reduce (counted by a comm hook) and the optimizer, loss and accuracy are recorded;
+a run resumed from a checkpoint taken after the freeze keeps the frozen boundary and the optimizer state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+STEPS = 30
+CHECKPOINT_AT = 20
+LOGGING_STEPS = 5
+LAYERS = 6
+TIMEOUT_S = 300
+DDP_ERROR = "Expected to have finished reduction"
+
+
+def _torchrun(out: Path, *options: str) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(HERE / "hf_trainer_worker.py"), str(out), "--steps", str(STEPS), *options]
+    run = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-5000:]
+    assert DDP_ERROR not in run.stderr
+    result_file = options[options.index("--result") + 1]
+    result: dict[str, Any] = json.loads((out / result_file).read_text())
+    return result
+
+
+def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the_boundary(tmp_path: Path) -> None:
+    result = _torchrun(tmp_path, "--save-steps", str(CHECKPOINT_AT), "--result", "whole.json")
+    decisions = result["decisions"]
+    assert decisions, f"nothing froze; the last windows' coherence: {result['coherence']}"
+    first = decisions[0]["global_step"]  # decided before the update of step first + 1 (1-based)
+    assert 0 < first < CHECKPOINT_AT - 1
+    frozen = decisions[-1]["frozen_layers"]
+    assert 1 <= frozen < LAYERS
+    reduced = result["reduced_per_step"]
+    assert len(reduced) == STEPS
+    # pretrained weights: the prior froze the embeddings before the first step (out of the all-reduce from the start)
+    assert reduced[:first + 1] == [result["parameters"] - result["embeddings"]] * (first + 1)
+    # each decision shrinks the next step's all-reduce (one decided at the last step has no next step)
+    assert reduced == sorted(reduced, reverse=True) and reduced[first + 1] < reduced[first]
+    assert len(set(reduced)) == 1 + len([d for d in decisions if d["global_step"] < STEPS - 1])
+    assert result["trainable"] <= reduced[-1]
+    assert result["optimized"] == result["with_state"] == result["trainable"]  # frozen: out of the optimizer too
+    assert result["training_modes"] == [False] * frozen + [True] * (LAYERS - frozen)
+    history = result["log_history"]
+    assert any(entry.get("autofreeze/frozen_layers") == decisions[0]["frozen_layers"] for entry in history)
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses) == STEPS // LOGGING_STEPS and all(0 < loss < 1.0 for loss in losses)
+    assert 0.0 <= result["eval"]["eval_accuracy"] <= 1.0 and result["eval"]["eval_loss"] > 0
+
+    checkpoint = tmp_path / "trainer" / f"checkpoint-{CHECKPOINT_AT}"
+    resumed = _torchrun(tmp_path, "--resume", str(checkpoint), "--result", "resumed.json")
+    assert resumed["restored_state_equal"] is True and resumed["restored_tensors"] > 0
+    # the boundary came from the checkpoint: the first resumed step all-reduces what step CHECKPOINT_AT + 1 did
+    assert len(resumed["reduced_per_step"]) == STEPS - CHECKPOINT_AT
+    assert resumed["reduced_per_step"][0] == reduced[CHECKPOINT_AT]
+    assert all(d["global_step"] >= CHECKPOINT_AT for d in resumed["decisions"])
+    assert resumed["optimized"] == resumed["with_state"] == resumed["trainable"]

@@ -1,0 +1,100 @@
+"""The integrations' pure parts: layers found by structure in Hugging Face encoders and decoders, what freezes with
+layer 0, and the one-line errors for what cannot work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetransformer.config import FreezeConfig
+from pipetransformer.integrations import AutoFreezer, LayerStack, find_layer_stack
+from pipetransformer.models.blocks import BlockSplitError
+
+VOCAB = 50
+WIDTH = 16
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=3,
+                                                    num_attention_heads=2, intermediate_size=WIDTH))
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=3, n_head=2, n_positions=8,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def test_layers_and_embeddings_are_found_in_an_encoder_with_a_head() -> None:
+    model = _bert()
+    stack = find_layer_stack(model)
+    assert stack.layers == tuple(model.bert.encoder.layer)
+    assert stack.embeddings == (model.bert.embeddings,)
+    parameters, modules = stack.prefix(2)
+    expected = [*model.bert.embeddings.parameters(), *model.bert.encoder.layer[0].parameters(),
+                *model.bert.encoder.layer[1].parameters()]
+    assert {id(p) for p in parameters} == {id(p) for p in expected}
+    assert modules == [model.bert.embeddings, *model.bert.encoder.layer[:2]]
+    assert stack.prefix(0) == ([], [])
+
+
+def test_a_decoder_keeps_its_tied_token_table_training() -> None:
+    model = _gpt2()
+    stack = find_layer_stack(model)
+    assert stack.layers == tuple(model.transformer.h)
+    assert stack.embeddings == (model.transformer.wte, model.transformer.wpe)
+    parameters, modules = stack.prefix(1)
+    ids = {id(p) for p in parameters}
+    assert id(model.transformer.wte.weight) not in ids  # the LM head's weight too
+    assert id(model.transformer.wpe.weight) in ids
+    assert model.transformer.wte not in modules and model.transformer.wpe in modules
+
+
+def test_models_without_findable_layers_or_with_shared_layers_are_refused_in_one_line() -> None:
+    with pytest.raises(BlockSplitError, match="cannot find the layers of Sequential: .*pass its ordered layers"):
+        find_layer_stack(nn.Sequential(nn.Linear(2, 2)))
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="layers 0 and 1 share a parameter"):
+        LayerStack((shared, shared))
+    with pytest.raises(ValueError, match="at least one layer"):
+        LayerStack(())
+
+
+def test_settings_that_cannot_work_are_refused_before_training() -> None:
+    model = _bert()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="needs total_steps"):
+        AutoFreezer(model, optimizer)  # the default windows are a share of the run
+    with pytest.raises(ValueError, match="counts optimizer steps, not epochs"):
+        AutoFreezer(model, optimizer, settings=FreezeConfig(interval=1, interval_unit="epochs"))
+    freezer = AutoFreezer(model, optimizer, total_steps=200)  # the defaults: 5% windows of 200 steps, floor 10
+    assert freezer.policy.name == FreezeConfig.policy and freezer.policy.interval == FreezeConfig.min_window_steps
+
+
+def test_a_frozen_prefix_runs_without_autograd_and_restores_grad_mode() -> None:
+    model = _gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    freezer = AutoFreezer(model, optimizer, settings=FreezeConfig(policy="schedule", schedule=[[0, 1]]))
+    outputs: list[bool] = []
+    model.transformer.h[0].register_forward_hook(lambda module, args, output: outputs.append(output[0].requires_grad))
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    assert freezer.step() is not None and freezer.frozen_layers == 1
+    loss = model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss
+    assert outputs == [True, False] and loss.requires_grad and torch.is_grad_enabled()
+
+
+def test_the_prior_freezes_a_pretrained_models_embeddings_before_the_first_step() -> None:
+    model = _bert()
+    optimizer = torch.optim.AdamW(model.parameters())
+    freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    assert freezer.prior.embeddings and freezer.frozen_layers == 0
+    assert not any(p.requires_grad or p in in_optimizer for p in model.bert.embeddings.parameters())
+    assert all(p.requires_grad and p in in_optimizer for p in model.bert.encoder.parameters())
+    assert not model.bert.embeddings.training and model.bert.encoder.layer[0].training
+    untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100)  # from_config: random
+    assert not untouched.prior.embeddings
