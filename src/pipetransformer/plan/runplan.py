@@ -48,7 +48,7 @@ class FreezePoint:
     frozen_layers: int
 
 
-def geometric_timeline(num_layers: int, *, alpha: float, max_fraction: float, epochs: float,
+def geometric_timeline(num_layers: int, *, alpha: float, max_fraction: float | None, epochs: float,
                        every_epochs: float) -> list[FreezePoint]:
     """The geometric schedule the trainer's ``geometric`` policy follows (and the ``gradient`` policy is
     bounded by): a decision every ``every_epochs`` epochs of an ``epochs``-epoch run."""
