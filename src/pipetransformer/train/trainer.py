@@ -41,6 +41,8 @@ __all__ = ["Trainer", "train"]
 logger = logging.getLogger(__name__)
 
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Each checkpoints at the next step and stops the run; SIGINT (Ctrl-C) makes the command exit 130."""
 
 
 class Trainer:
@@ -76,7 +78,7 @@ class Trainer:
         self._adopt(self._plan())
         self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
                                     cache_metrics=self.cache.metrics)
-        self._sigterm_received = False  # this rank, set by the signal handler at any moment
+        self._stop_signal: signal.Signals | None = None  # this rank's SIGTERM/SIGINT, set by the handler at any moment
         self.recorder.write_config(config)
 
     def fit(self) -> dict[str, Any]:
@@ -88,7 +90,7 @@ class Trainer:
         first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
         done = cfg.max_steps is not None and progress.step >= cfg.max_steps
         main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+        previous = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS} if main_thread else {}
         try:
             for epoch in range(first_epoch, cfg.epochs):
                 if done:
@@ -116,8 +118,7 @@ class Trainer:
                     if result.stop_requested or (mid_epoch and ((every and progress.step % every == 0) or done)):
                         self._checkpoint(started)
                     if result.stop_requested:
-                        logger.warning("SIGTERM: checkpoint written at step %d, stopping", progress.step)
-                        return self._finish(started, completed=False)
+                        return self._stop(started, signal.SIGINT if result.interrupted else signal.SIGTERM)
                 if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
                     break
                 if not cfg.eval_every_steps:
@@ -129,8 +130,8 @@ class Trainer:
             if not progress.eval_history or progress.eval_history[-1]["step"] != progress.step:
                 self._validate(started)  # the final model, whatever eval_every_steps is
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.recorder.stop()
         return self._finish(started)
 
@@ -154,13 +155,15 @@ class Trainer:
             with timer.phase("allreduce"):
                 allreduce_bytes = executor.synchronize()
         with timer.phase("control"):
-            control = gather_control(self.model, placement, loss_sum, stop=self._sigterm_received,
+            control = gather_control(self.model, placement, loss_sum, stop=self._stop_signal is not None,
+                                     interrupt=self._stop_signal == signal.SIGINT,
                                      previous_grads=self.freezer.previous_grads)
         control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
             self.optimizer.step(lr, control.total_grad_norm())
         norms, dots = self.freezer.observe(control)
-        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested)
+        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested,
+                          control.interrupted)
 
     def _plan(self) -> LayoutPlan:
         frozen_layers = self.freezer.prefix_layers()
@@ -204,12 +207,24 @@ class Trainer:
             self.progress.checkpoints.append(record)
             self.recorder.checkpoint(record)
 
-    def _finish(self, started: float, completed: bool = True) -> dict[str, Any]:
+    def _stop(self, started: float, signum: signal.Signals) -> dict[str, Any]:
+        """A stop request, after its checkpoint: the summary says at which step and by which signal."""
+        step, checkpoints = self.progress.step, self.progress.checkpoints
+        checkpoint = checkpoints[-1]["path"] if checkpoints and checkpoints[-1]["step"] == step else None
+        if self.env.is_main:
+            logger.warning("%s: checkpoint written at step %d, stopping", signum.name, step)
+        return self._finish(started, completed=False,
+                            interrupted={"signal": signum.name, "step": step, "checkpoint": checkpoint})
+
+    def _finish(self, started: float, completed: bool = True,
+                interrupted: dict[str, Any] | None = None) -> dict[str, Any]:
         """The summary; a completed run also evaluates the test split (outside its wall time)."""
         summary = self.recorder.summary(self.progress, time.perf_counter() - started, self.task,
                                         fingerprints=self.layout.fingerprints(),
                                         memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
+        if interrupted is not None:
+            summary["interrupted"] = interrupted
         if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
             summary["freeze_outcome"] = self.freezer.policy.outcome()
             if self.env.is_main:
@@ -233,14 +248,19 @@ class Trainer:
         left = self.sampler.remaining()
         return left == 0 or (self.sampler.drop_last and left < self.layout.global_batch())
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Checkpoint at the next step boundary, then stop.
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT (Ctrl-C): checkpoint at the next step boundary, then stop.
 
         Only a request: the ranks agree on the step through the next control vector. Acting on it here
         directly would let a signal that lands between a step's control all-reduce and the stop check
-        stop this rank one step before the others, which then wait for it until the timeout.
+        stop this rank one step before the others, which then wait for it until the timeout. A second Ctrl-C
+        on a lone process stops it at once (KeyboardInterrupt); workers of a launcher may get each Ctrl-C twice
+        (from the terminal and forwarded by the launcher), so there the launcher decides when to stop hard.
         """
-        self._sigterm_received = True
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT and self.env.world_size == 1:
+            raise KeyboardInterrupt
+        if self._stop_signal != signal.SIGINT:  # an interrupt is what the user sees, whatever came first
+            self._stop_signal = signal.Signals(signum)
 
     def close(self) -> None:
         self.recorder.close()
