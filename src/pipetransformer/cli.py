@@ -385,10 +385,11 @@ def _pretrain(args: argparse.Namespace) -> int:
     from pipetransformer.distributed import resolve_device
     from pipetransformer.models import build_model
     from pipetransformer.models.pretrain import masked_patch_pretrain
-    from pipetransformer.models.vit import save_vit_backbone
+    from pipetransformer.models.vit import save_vit_backbone, vit_image_shape
     device = resolve_device(config.dist)
     torch.manual_seed(config.seed)
-    train_set = datasets_from_config(config.data, tokenizer=None).train  # no validation or test images
+    image_shape = vit_image_shape(config.model.vit)
+    train_set = datasets_from_config(config.data, tokenizer=None, image_shape=image_shape).train  # no held-out images
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
     try:
         model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pipetransformer.data.batch import DataSplits, DatasetUnavailableError, IndexedDataset, held_out_splits
+from pipetransformer.data.image_folders import IMAGE_EXTENSIONS, class_folder_root, read_class_folders
 
 __all__ = [
     "FASHION_MNIST_CLASSES",
@@ -216,21 +217,27 @@ def _read_folder_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Te
 
 def load_image_folder(
     path: str | Path, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-    test_fraction: float = DEFAULT_TEST_FRACTION, seed: int = 0,
+    test_fraction: float = DEFAULT_TEST_FRACTION, seed: int = 0, image_shape: tuple[int, int, int] | None = None,
 ) -> DataSplits[ImageDataset]:
-    """A user's folder of Fashion-MNIST-style idx(.gz) files or ``train.npz``/``test.npz`` (arrays ``x``, ``y``).
+    """A user's folder of images in class folders (``<class>/*.png``, or ``train/<class>/...`` and
+    ``test/<class>/...``: :mod:`~pipetransformer.data.image_folders`, converted to ``image_shape``, the model's
+    ``(channels, size, size)``), of Fashion-MNIST-style idx(.gz) files, or ``train.npz``/``test.npz`` (arrays ``x``,
+    ``y``; as stored, whatever ``image_shape``).
 
     Validation is a ``seed``-ed fraction of the training files; test is the folder's test files, or, when it
-    has none, another ``seed``-ed fraction of the training files. Classes are ``0..max label``.
+    has none, another ``seed``-ed fraction of the training files. Classes are the class folders' names (sorted),
+    or ``0..max label`` for idx and npz files.
     """
     folder = Path(path)
     usage = (
-        f"train-{IDX_IMAGES}[.gz] + train-{IDX_LABELS}[.gz] (and t10k-...), "
-        "or train.npz/test.npz with arrays x and y"
+        f"class folders of images (<class>/*{'|'.join(IMAGE_EXTENSIONS)}, optionally under train/ and test/), "
+        f"train-{IDX_IMAGES}[.gz] + train-{IDX_LABELS}[.gz] (and t10k-...), or train.npz/test.npz with arrays x and y"
     )
     if not folder.is_dir():
         raise DatasetUnavailableError(f"no image folder at {folder}; pass a folder holding {usage}")
     train_split = _read_folder_split(folder, "train")
+    if train_split is None and (root := class_folder_root(folder)) is not None:
+        return _load_class_folders(folder, root, validation_fraction, test_fraction, seed, image_shape)
     if train_split is None:
         raise DatasetUnavailableError(f"{folder} has no training images; it needs {usage}")
     if train_split[1].numel() == 0:
@@ -245,4 +252,19 @@ def load_image_folder(
         raise ValueError(
             f"{folder}: train images are {train.image_shape} but test images are {test.image_shape}; use one shape"
         )
+    return _normalized(held_out_splits(train, validation_fraction, test_fraction, seed, test=test))
+
+
+def _load_class_folders(folder: Path, root: Path, validation_fraction: float, test_fraction: float, seed: int,
+                        image_shape: tuple[int, int, int] | None) -> DataSplits[ImageDataset]:
+    """Training images from ``root``'s class folders; test from ``folder/test`` when ``root`` is ``folder/train``
+    and it exists, otherwise a ``seed``-ed fraction of the training images."""
+    pixels, labels, class_names = read_class_folders(root, None, image_shape)
+    train = ImageDataset(pixels, labels, class_names)
+    test_root = folder / "test"
+    test = None
+    if root != folder and test_root.is_dir():
+        if image_shape is None:  # the test images take the training images' shape
+            image_shape = train.image_shape
+        test = ImageDataset(*read_class_folders(test_root, class_names, image_shape)[:2], class_names)
     return _normalized(held_out_splits(train, validation_fraction, test_fraction, seed, test=test))

@@ -9,6 +9,7 @@ layer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,6 +27,7 @@ __all__ = [
     "build_vit",
     "load_vit_backbone",
     "save_vit_backbone",
+    "vit_image_shape",
 ]
 
 DEFAULT_MLP_RATIO = 4.0
@@ -96,6 +98,15 @@ class ViTLayer(nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=dropout)
         return self.attention_out(attended.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+def vit_image_shape(vit: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``(channels, size, size)`` the ViT of these ``model.vit`` settings takes, or None where they lack one
+    (``build_vit`` then names the missing key)."""
+    size, channels = vit.get("image_size"), vit.get("in_channels")
+    if not isinstance(size, int) or not isinstance(channels, int):
+        return None
+    return channels, size, size
 
 
 def build_vit(

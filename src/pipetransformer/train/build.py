@@ -15,6 +15,7 @@ from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
 from pipetransformer.models.blocks import Activation
+from pipetransformer.models.vit import vit_image_shape
 
 __all__ = ["build_blocks", "example_inputs", "load_splits", "resolve_run_dir", "seed_everything"]
 
@@ -45,7 +46,7 @@ def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     try:
-        return datasets_from_config(config.data, tokenizer)
+        return datasets_from_config(config.data, tokenizer, image_shape=vit_image_shape(config.model.vit))
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
 
