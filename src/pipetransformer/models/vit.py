@@ -22,6 +22,7 @@ from pipetransformer.models.heads import ImageClassificationHead
 __all__ = [
     "DEFAULT_DROPOUT",
     "DEFAULT_MLP_RATIO",
+    "VIT_SETTINGS",
     "PatchEmbeddings",
     "ViTLayer",
     "build_vit",
@@ -30,6 +31,18 @@ __all__ = [
     "vit_image_shape",
 ]
 
+VIT_SETTINGS = {
+    "image_size": "side of the square input images in pixels (required; image_folder files are resized to it)",
+    "patch_size": "side of a square patch, dividing image_size (required)",
+    "in_channels": "1 greyscale or 3 RGB (required; image_folder files are converted to it)",
+    "dim": "width of every layer, divisible by heads (required)",
+    "depth": "transformer layers (required)",
+    "heads": "attention heads per layer (required)",
+    "mlp_ratio": "MLP hidden width over dim (default 4.0)",
+    "dropout": "dropout probability (default 0.0)",
+}
+"""Every ``model.vit.*`` key (``build_vit``'s arguments but ``num_classes``) and its meaning: the config reference's
+rows for the built-in ViT."""
 DEFAULT_MLP_RATIO = 4.0
 DEFAULT_DROPOUT = 0.0
 INIT_STD = 0.02

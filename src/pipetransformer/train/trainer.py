@@ -25,7 +25,8 @@ from pipetransformer.pipe.cost import Precision
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.autocache import AutoCache
 from pipetransformer.train.autofreeze import AutoFreeze
-from pipetransformer.train.build import build_blocks, load_splits, resolve_run_dir, seed_everything
+from pipetransformer.train.build import (build_blocks, check_data_fits_model, load_splits, resolve_run_dir,
+                                         seed_everything)
 from pipetransformer.train.checkpointer import Checkpointer
 from pipetransformer.train.control import gather_control
 from pipetransformer.train.elastic import ElasticLayout
@@ -56,6 +57,7 @@ class Trainer:
         self.train_set, self.eval_set, self.test_set = load_splits(config, env)
         self.rss_before_model = peak_rss_bytes()  # the runtime and the data: what the memory plan does not count
         self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
+        check_data_fits_model(config, self.model, self.train_set)
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         batch = config.train.batch_size  # planned steps at the starting batch: what a fraction window is a share of
         self.freezer = AutoFreeze.from_config(config, self.model, warn=env.is_main,
