@@ -90,6 +90,7 @@ def load_datasets(
     max_eval_samples: int | None = None,
     max_test_samples: int | None = None,
     image_shape: tuple[int, int, int] | None = None,
+    encoding: str = "utf-8",
 ) -> DataSplits[IndexedDataset]:
     """Train / validation / test for a data set name, each optionally cut to a seeded subset (re-numbered from 0).
 
@@ -118,7 +119,8 @@ def load_datasets(
         assert tokenizer is not None and path is not None
         return load_text_csv(path, tokenizer, text_column=text_column, label_column=label_column,
                              max_length=max_length, validation_fraction=validation_fraction,
-                             test_fraction=test_fraction, seed=seed, test_path=test_path, limits=limits)
+                             test_fraction=test_fraction, seed=seed, test_path=test_path, limits=limits,
+                             encoding=encoding)
     if name == "fashion_mnist":
         splits = load_fashion_mnist(path or FASHION_MNIST_ROOT, validation_fraction, seed)
     elif name == "digits":
@@ -137,7 +139,7 @@ def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | 
                          validation_fraction=data.validation_fraction, test_fraction=data.test_fraction,
                          seed=data.split_seed, max_train_samples=data.max_train_samples,
                          max_eval_samples=data.max_eval_samples, max_test_samples=data.max_test_samples,
-                         image_shape=image_shape)
+                         image_shape=image_shape, encoding=data.encoding)
 
 
 def small_split_warnings(splits: DataSplits[IndexedDataset]) -> list[str]:
