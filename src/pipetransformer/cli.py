@@ -1,4 +1,4 @@
-"""Command line: ``pipetransformer train | plan | report | replay | pretrain``.
+"""Command line: ``pipetransformer train | plan | report | replay | pretrain | predict | export``.
 
 One device::
 
@@ -45,6 +45,8 @@ HF_CONFIG_FILE = "config.json"
 AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
 """torchrun's agent answers the signals it handles by signalling the workers and SIGKILLing them 30 s later; SIGINT
 is left out so the launcher handles Ctrl-C itself and the workers have the time their checkpoint takes."""
+WEIGHT_CHOICES = ("final", "best")
+"""``predict``/``export --weights``: model.safetensors or best-validation.safetensors of the run."""
 PID_FILE_PREFIX = "pid-rank"
 """+ rank: each local worker writes its process id into the error directory, for the launcher to forward Ctrl-C."""
 
@@ -110,6 +112,16 @@ def _parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--out", required=True, help="backbone file to write (use it as model.path)")
     pretrain.add_argument("--epochs", type=int, default=None, help="passes over the images (default: train.epochs)")
     pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    predict = commands.add_parser("predict", help="a trained run's predictions for a CSV of texts or a folder of images")
+    predict.add_argument("run_dir", help="a run directory that training wrote (config.yaml, summary.json, weights)")
+    predict.add_argument("--input", required=True, help="a CSV with the run's data.text_column, or a folder of images")
+    predict.add_argument("--output", default=None, help="CSV to write (default: RUN_DIR/predictions.csv)")
+    predict.add_argument("--weights", choices=WEIGHT_CHOICES, default="final",
+                         help="the final weights, or those of the best validation")
+    export = commands.add_parser("export", help="a trained Hugging Face text model as a directory transformers loads")
+    export.add_argument("run_dir")
+    export.add_argument("out", help="directory to write (AutoModel.from_pretrained loads it)")
+    export.add_argument("--weights", choices=WEIGHT_CHOICES, default="final")
     return parser
 
 
@@ -405,6 +417,17 @@ def _pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from pipetransformer.predict import predict_command
+    return predict_command(Path(args.run_dir), Path(args.input), Path(args.output) if args.output else None,
+                           args.weights)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pipetransformer.export import export_command
+    return export_command(Path(args.run_dir), Path(args.out), args.weights)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change: shown as one line, without a traceback."""
     from pipetransformer.checkpoint import CheckpointError
@@ -438,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir and _under_torchrun():  # a local worker: the launcher forwards Ctrl-C to this id
         (Path(error_dir) / f"{PID_FILE_PREFIX}{os.environ['RANK']}").write_text(str(os.getpid()))
-    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay, "pretrain": _pretrain}
+    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay, "pretrain": _pretrain,
+                "predict": _predict, "export": _export}
     try:
         return handlers[args.command](args)
     except ConfigError as error:  # first, so a typo is reported without importing torch

@@ -57,7 +57,7 @@ class RunConfig:
     name: str | None = None  # defaults to the config file's stem
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
     progress: bool = True  # progress bar on rank 0, in samples
-    save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
+    save_model: bool = False  # also write optimizer.safetensors at the end (model.safetensors, the final weights, is always written)
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
 

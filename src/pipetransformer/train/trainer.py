@@ -225,21 +225,31 @@ class Trainer:
                                         fingerprints=self.layout.fingerprints(),
                                         memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
+        summary.update(self._data_record())
         if interrupted is not None:
             summary["interrupted"] = interrupted
         if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
             summary["freeze_outcome"] = self.freezer.policy.outcome()
             if self.env.is_main:
                 logger.info("freeze: %s", summary["freeze_outcome"])
-        if self.config.run.save_model:
-            self.checkpointer.save_model(self.state, self.run_dir)
+        best = self.checkpointer.best()
+        self.checkpointer.save_model(self.state, self.run_dir, optimizer=self.config.run.save_model, best=best)
         if completed:
-            result, samples = self.evaluator.test(self.test_set, self.checkpointer.best())
+            result, samples = self.evaluator.test(self.test_set, best)
             self.recorder.event("test", {"step": self.progress.step, **result})
             self.recorder.write_test_samples(self.task.metric, samples)
             summary.update(result)
         self.recorder.write_summary(summary)
         return summary
+
+    def _data_record(self) -> dict[str, Any]:
+        """What a model trained here needs to be used: the class names, in the order of the head's outputs, and for
+        images the normalization the pixels were given (``pipetransformer predict`` applies both)."""
+        record: dict[str, Any] = {"class_names": list(self.train_set.class_names)}
+        normalization = getattr(self.train_set, "normalization", None)
+        if normalization is not None:
+            record["image_normalization"] = {"mean": normalization[0], "std": normalization[1]}
+        return record
 
     def _total_samples(self) -> int:
         """The learning-rate schedule's and the progress bar's length, in samples: steps are not known in advance
