@@ -47,6 +47,7 @@ AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
 is left out so the launcher handles Ctrl-C itself and the workers have the time their checkpoint takes."""
 WEIGHT_CHOICES = ("final", "best")
 """``predict``/``export --weights``: model.safetensors or best-validation.safetensors of the run."""
+TORCHRUN_LOG_DIR = "torchrun"
 PID_FILE_PREFIX = "pid-rank"
 """+ rank: each local worker writes its process id into the error directory, for the launcher to forward Ctrl-C."""
 
@@ -184,16 +185,19 @@ def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int, 
     machine (loopback only)."""
     from torch.distributed.run import get_args_parser, run
 
-    launcher_args = get_args_parser().parse_args([
-        "--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-        "--local-addr", LOOPBACK, "--signals-to-handle", AGENT_SIGNALS, "--module", "pipetransformer.cli", "train", args.config,
-        *[item for override in overrides for item in ("--set", override)],
-    ])
     # Workers restarted by torchrun (and agents joining later) hang in rendezvous when they share the agent's
     # TCP store; a store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) lets them join.
     os.environ.setdefault(SHARED_STORE_ENV, "1")
     os.environ.setdefault(OMP_THREADS_ENV, str(threads))
     with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
+        launcher_args = get_args_parser().parse_args([
+            "--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+            "--local-addr", LOOPBACK, "--signals-to-handle", AGENT_SIGNALS,
+            # torchrun's per-attempt folders (empty: nothing is redirected) go with this directory, not into /tmp
+            "--log-dir", str(Path(error_dir) / TORCHRUN_LOG_DIR),
+            "--module", "pipetransformer.cli", "train", args.config,
+            *[item for override in overrides for item in ("--set", override)],
+        ])
         os.environ[ERROR_DIR_ENV] = error_dir
         interrupts = _LauncherInterrupts(Path(error_dir))
         previous = signal.signal(signal.SIGINT, interrupts)
@@ -359,8 +363,12 @@ def _replay(args: argparse.Namespace) -> int:
     from pipetransformer.freeze.policies import policy_from_settings
     from pipetransformer.freeze.replay import read_logged_steps, replay
     run_dir = Path(args.run_dir)
+    run_config = run_dir / "config.yaml"
+    if run_config.is_file() and (logged_every := load_config(run_config).run.log_every) != 1:
+        raise ConfigError(f"{run_dir} was trained with run.log_every={logged_every}: replay needs every step's gradient "
+                          "statistics; train the run with --set run.log_every=1")
     steps = read_logged_steps(run_dir / "metrics.jsonl")
-    config = load_config(args.config or run_dir / "config.yaml", args.overrides)
+    config = load_config(args.config or run_config, args.overrides)
     f = config.freeze
     try:
         policy = policy_from_settings(f, len(steps[0].layer_grad_norms), seed=config.seed, total_steps=len(steps))

@@ -50,7 +50,7 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
     from safetensors.torch import load_file
 
     from pipetransformer.models import load_tokenizer, minilm_path
-    from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder
+    from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, quiet_transformers
     from pipetransformer.predict import read_run
 
     config, summary, weights_file = read_run(run_dir, weights)
@@ -66,7 +66,8 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
     encoder.config.id2label = dict(enumerate(class_names))
     encoder.config.label2id = {name: index for index, name in enumerate(class_names)}
     out.mkdir(parents=True, exist_ok=True)
-    encoder.save_pretrained(out)
+    with quiet_transformers():
+        encoder.save_pretrained(out)
     load_tokenizer(path or minilm_path()).save_pretrained(out)  # random-weight models borrow MiniLM's, as in training
     head = blocks.blocks[-1]
     save_file({name: tensor.contiguous() for name, tensor in head.state_dict().items()
@@ -83,10 +84,12 @@ def load_exported(directory: str | Path) -> tuple[ExportedClassifier, Any]:
     from transformers import AutoModel, AutoTokenizer
 
     from pipetransformer.models.heads import TextClassificationHead
+    from pipetransformer.models.hf import quiet_transformers
 
     folder = Path(directory)
     settings = json.loads((folder / HEAD_CONFIG_FILE).read_text())
-    encoder = AutoModel.from_pretrained(folder, local_files_only=True)
+    with quiet_transformers():
+        encoder = AutoModel.from_pretrained(folder, local_files_only=True)
     head = TextClassificationHead(encoder.config.hidden_size, len(settings["class_names"]), pooling=settings["pooling"])
     head.load_state_dict(load_file(str(folder / HEAD_WEIGHTS_FILE)))
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

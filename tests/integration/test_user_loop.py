@@ -64,10 +64,12 @@ def test_png_class_folders_train_on_two_workers_and_predict_reproduces_the_test_
         tmp_path: Path, png_folders: Path) -> None:
     """Train on train/<class>/*.png, then ``predict`` on the test folder: the same prediction for every test image as
     the run's own test evaluation, so the same accuracy."""
-    run_dir = tmp_path / "run"
+    run_dir, temporary = tmp_path / "run", tmp_path / "tmp"
+    temporary.mkdir()
     run_job(VIT, run_dir, "data.name=image_folder", f"data.path={png_folders}", "data.max_train_samples=null",
             "data.max_eval_samples=null", "data.max_test_samples=null", "train.epochs=3", "train.batch_size=8",
-            nproc=2)
+            nproc=2, env={"TMPDIR": str(temporary)})
+    assert not list(temporary.glob("torchelastic_*")), "the launch left torchrun's log folders behind"
     result = summary(run_dir)
     assert result["steps"] == 3 * 6  # 48 training images less a validation tenth (4): 44 per epoch, 6 batches
     assert result["class_names"] == sorted(IMAGES_PER_CLASS)

@@ -18,7 +18,7 @@ from pipetransformer.models import BlockSequence, build_model, load_tokenizer, m
 from pipetransformer.models.blocks import Activation
 from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
-__all__ = ["build_blocks", "check_data_fits_model", "example_inputs", "load_splits", "model_image_shape",
+__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "load_splits", "model_image_shape",
            "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,15 @@ def check_data_fits_model(config: Config, model: BlockSequence, train: IndexedDa
     if train.num_classes < MIN_CLASSES:
         raise ConfigError(f"data: the training data has {train.num_classes} class ({', '.join(train.class_names)}); "
                           f"a classifier needs at least {MIN_CLASSES}: check data.label_column or the class folders")
+
+
+def describe_model(config: Config, model: BlockSequence) -> str:
+    """What was built, and from which weights: ``model.kind``, blocks, parameters, and the weights' source."""
+    m = config.model
+    source = {"minilm": "the packaged all-MiniLM-L6-v2", "hf": m.path or "random init (model.hf_config)",
+              "vit": m.path or "random init"}[m.kind]
+    parameters = sum(p.numel() for p in model.parameters())
+    return f"{m.kind}, {len(model)} blocks, {parameters / 1e6:.2f}M parameters, weights: {source}"
 
 
 def example_inputs(dataset: IndexedDataset, max_length: int, device: torch.device, rows: int) -> Activation:

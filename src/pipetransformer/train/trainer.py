@@ -25,8 +25,8 @@ from pipetransformer.pipe.cost import Precision
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.autocache import AutoCache
 from pipetransformer.train.autofreeze import AutoFreeze
-from pipetransformer.train.build import (build_blocks, check_data_fits_model, load_splits, resolve_run_dir,
-                                         seed_everything)
+from pipetransformer.train.build import (build_blocks, check_data_fits_model, describe_model, load_splits,
+                                         resolve_run_dir, seed_everything)
 from pipetransformer.train.checkpointer import Checkpointer
 from pipetransformer.train.control import gather_control
 from pipetransformer.train.elastic import ElasticLayout
@@ -58,6 +58,8 @@ class Trainer:
         self.rss_before_model = peak_rss_bytes()  # the runtime and the data: what the memory plan does not count
         self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
         check_data_fits_model(config, self.model, self.train_set)
+        if env.is_main:  # the one line of a launch about the model (every process loads it, quietly)
+            logger.info("model: %s", describe_model(config, self.model))
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         batch = config.train.batch_size  # planned steps at the starting batch: what a fraction window is a share of
         self.freezer = AutoFreeze.from_config(config, self.model, warn=env.is_main,
@@ -87,7 +89,9 @@ class Trainer:
         cfg, progress = self.config.train, self.progress
         started = time.perf_counter() - progress.elapsed_before_s
         timer = StepTimer(self.env.device)
-        self.recorder.start(started, self._total_samples(), self.state.samples_done())
+        if self.env.is_main:
+            self._say_when_max_steps_is_out_of_reach()
+        self.recorder.start(started, self._bar_samples(), self.state.samples_done())
         resumed_mid_epoch = progress.step > 0 and not progress.epoch_done
         first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
         done = cfg.max_steps is not None and progress.step >= cfg.max_steps
@@ -255,6 +259,23 @@ class Trainer:
         """The learning-rate schedule's and the progress bar's length, in samples: steps are not known in advance
         when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
         return len(self.train_set) * self.config.train.epochs
+
+    def _bar_samples(self) -> int:
+        """The progress bar's length: the schedule's samples, or fewer where train.max_steps stops the run first (at
+        the starting global batch: a batch that grows with the width ends the bar early)."""
+        max_steps = self.config.train.max_steps
+        total = self._total_samples()
+        return total if max_steps is None else min(total, max_steps * self.layout.global_batch())
+
+    def _say_when_max_steps_is_out_of_reach(self) -> None:
+        """A train.max_steps beyond the steps of train.epochs is never reached: say so before the first step."""
+        max_steps, epochs = self.config.train.max_steps, self.config.train.epochs
+        batch, samples = self.layout.global_batch(), len(self.train_set)
+        per_epoch = samples // batch if self.sampler.drop_last else math.ceil(samples / batch)
+        if max_steps is not None and max_steps > per_epoch * epochs:
+            logger.warning("train.max_steps=%d is more than the %d steps of train.epochs=%d (%d per epoch): the run "
+                           "ends after its epochs; raise train.epochs to train longer", max_steps,
+                           per_epoch * epochs, epochs, per_epoch)
 
     def _epoch_exhausted(self) -> bool:
         left = self.sampler.remaining()
