@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--out", required=True, help="backbone file to write (use it as model.path)")
     pretrain.add_argument("--epochs", type=int, default=None, help="passes over the images (default: train.epochs)")
     pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    predict = commands.add_parser("predict", help="a trained run's predictions for a CSV of texts or a folder of images")
+    predict = commands.add_parser("predict",
+                                  help="a trained run's predictions for a CSV of texts or a folder of images")
     predict.add_argument("run_dir", help="a run directory that training wrote (config.yaml, summary.json, weights)")
     predict.add_argument("--input", required=True, help="a CSV with the run's data.text_column, or a folder of images")
     predict.add_argument("--output", default=None, help="CSV to write (default: RUN_DIR/predictions.csv)")
@@ -365,8 +366,8 @@ def _replay(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     run_config = run_dir / "config.yaml"
     if run_config.is_file() and (logged_every := load_config(run_config).run.log_every) != 1:
-        raise ConfigError(f"{run_dir} was trained with run.log_every={logged_every}: replay needs every step's gradient "
-                          "statistics; train the run with --set run.log_every=1")
+        raise ConfigError(f"{run_dir} was trained with run.log_every={logged_every}: replay needs every step's "
+                          "gradient statistics; train the run with --set run.log_every=1")
     steps = read_logged_steps(run_dir / "metrics.jsonl")
     config = load_config(args.config or run_config, args.overrides)
     f = config.freeze

@@ -59,7 +59,8 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
         raise ConfigError("export writes Hugging Face models; a built-in ViT (model.kind: vit) is used as it is: "
                           f"pipetransformer predict {run_dir} --input FOLDER, or build_vit + {weights_file}")
     path = m.path or (minilm_path() if m.kind == "minilm" else None)
-    encoder = load_hf_encoder(path=path, config=None if path else m.hf_config, attn_implementation=m.attn_implementation)
+    encoder = load_hf_encoder(path=path, config=None if path else m.hf_config,
+                              attn_implementation=m.attn_implementation)
     blocks = blocks_from_hf(encoder, len(class_names), pooling=m.pooling)  # holds the encoder's own modules
     with torch.no_grad():
         blocks.load_state_dict(load_file(str(weights_file)))

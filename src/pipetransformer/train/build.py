@@ -18,8 +18,8 @@ from pipetransformer.models import BlockSequence, build_model, load_tokenizer, m
 from pipetransformer.models.blocks import Activation
 from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
-__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "load_splits", "model_image_shape",
-           "resolve_run_dir", "seed_everything"]
+__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "load_splits",
+           "model_image_shape", "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
 
