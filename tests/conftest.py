@@ -12,18 +12,20 @@ sys.path.insert(0, str(Path(__file__).parent / "integration"))
 
 SHM = Path("/dev/shm")
 CACHE_PREFIX = "pipetransformer-cache-"
+"""``cache.store.FILE_PREFIX``, spelled out so that collecting the tests imports no torch (test_cache_store pins it)."""
 
 
 def _ours() -> set[str]:
     return {p.name for p in SHM.glob(CACHE_PREFIX + "*")} if SHM.is_dir() else set()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left_behind() -> Iterator[None]:
+@pytest.fixture(scope="module", autouse=True)
+def no_shared_memory_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Per test module, so a leak names the module that left it (the cache unlinks its regions once mapped)."""
     before = _ours()
     yield
     left = _ours() - before
-    assert not left, f"tests left files in /dev/shm: {sorted(left)}"
+    assert not left, f"{request.module.__name__} left files in /dev/shm: {sorted(left)}"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

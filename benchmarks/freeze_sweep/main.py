@@ -8,7 +8,7 @@ One command::
 Every variant is ``configs/text_minilm_freeze_only.yaml`` (plain data parallelism on 2 workers, frozen
 layers run a no-grad forward, no cache, the layout never changes) with overrides: ``none`` (the freeze
 machinery on, nothing frozen), ``geometric`` at alpha 1/5, 1/4, 1/3, 1/2, and ``gradient`` (the config's
-own policy). Repeats are interleaved; results go to ``results.md`` / ``results.json`` here.
+own policy). Repeats are interleaved; results go to ``results/results.md`` / ``.json``.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_training(variant.replace("/", "_"), config, repeat, args.runs_dir, overrides))
         results[-1].name = variant
     table = _aggregate(results)
-    md_path, _ = write_results(HERE, "results", _markdown(args, table, machine),
+    md_path, _ = write_results(HERE / "results", "results", _markdown(args, table, machine),
                                {"quick": args.quick, "repeats": args.repeats, "machine": machine, "table": table,
                                 "runs": results})
     print(f"results: {md_path}", flush=True)

@@ -13,7 +13,7 @@ default freezer alone), ``fixed2`` / ``fixed3`` (the bottom 2 / 3 layers frozen 
 ``geometric`` (the geometric schedule alone, alpha 1/3, cached). No memory budget is forced: every config runs
 the layout the planner picks (the model fits one worker). Every seed trains on the same data subset and is
 scored on the same test split (``data.split_seed`` is fixed); the test split is evaluated once, at the end,
-on the final model. Writes ``results[-quick].md`` / ``.json`` here, each run's per-sample test accuracy in
+on the final model. Writes ``results/results[-quick].md`` / ``.json``, each run's per-sample test accuracy in
 ``per-sample-results[-quick].json`` (``--pool`` adds the test set's own error from it), and a section of
 ``benchmarks/README.md``.
 """
@@ -56,6 +56,8 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
 __all__ = ["CONFIGS", "TRANSFER_TASKS", "main", "rescored"]
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+"""Where every launch writes its ``results*`` and ``per-sample-results*`` files."""
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_transfer"
 PERCENT = 100.0
 ACCURACY_GATE_POINTS = 0.5
@@ -502,7 +504,7 @@ def _rescore(path: Path) -> int:
     """Recompute the tables and gates of a recorded ``results*.json`` from its runs and rewrite it and its ``.md``."""
     markdown, payload = rescored(path)
     write_results(path.parent, path.stem, markdown, payload)
-    if path.resolve().parent == HERE and path.stem == _stem(payload["mode"]):  # the newest full set: README too
+    if path.resolve().parent == RESULTS and path.stem == _stem(payload["mode"]):  # the newest full set: README too
         _publish(payload["mode"], markdown)
     print(f"results: {path.with_suffix('.md')}", flush=True)
     return 0
@@ -638,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = _stem(mode, args.first_seed, args.tasks, args.configs)
     planned = {(name, config, seed) for name in args.tasks
                for seed, config in _order(args.configs, seed_counts[name], args.first_seed)}
-    dropped = _dropped_runs(HERE / f"{stem}.json", planned)
+    dropped = _dropped_runs(RESULTS / f"{stem}.json", planned)
     if dropped:
         parser.error(f"{stem}.json holds runs this launch would not redo ({', '.join(dropped[:3])}"
                      f"{', ...' if len(dropped) > 3 else ''}): move it aside first, or launch its --tasks, --configs "
@@ -666,11 +668,11 @@ def main(argv: list[str] | None = None) -> int:
         payload["tasks"][name] = {"task": asdict(task), "seeds": seeds, "backbone": backbone,
                                   "table": _aggregate(results, args.configs), "runs": results}
     markdown = _report(payload, args.resume)
-    write_results(HERE, stem, markdown, payload)
-    _write_per_sample(HERE / f"{stem}.json", payload)
+    write_results(RESULTS, stem, markdown, payload)
+    _write_per_sample(RESULTS / f"{stem}.json", payload)
     if stem == _stem(mode):
         _publish(mode, markdown)
-    print(f"results: {HERE / (stem + '.md')}", flush=True)
+    print(f"results: {RESULTS / (stem + '.md')}", flush=True)
     return 0
 
 

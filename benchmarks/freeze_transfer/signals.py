@@ -24,7 +24,7 @@ needs a large layer share that repeats and is not fixed from the start.
     .venv/bin/python benchmarks/freeze_transfer/signals.py --task rotten_tomatoes   # ~4 min
     .venv/bin/python benchmarks/freeze_transfer/signals.py --task debates           # ~2 min
 
-Writes ``signals-<task>.json`` and ``.md`` here. Training and validation samples only: no test data is read.
+Writes ``results/signals-<task>.json`` and ``.md``. Training and validation samples only: no test data is read.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main() -> int:
     parser.add_argument("--probe-rows", type=int, default=64)
     parser.add_argument("--render", action="store_true", help="train nothing: rewrite the .md from the task's .json")
     args = parser.parse_args()
-    recorded = HERE / f"signals-{args.task}.json"
+    recorded = HERE / "results" / f"signals-{args.task}.json"
     if args.render:
         if not recorded.is_file():
             parser.error(f"--render: {recorded} not found; run without --render first")
@@ -231,7 +231,7 @@ def main() -> int:
         result = {"task": args.task, "seed": args.seed, **measure(config, args.probe_rows)}
         recorded.write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(args.task, result["seed"], result)
-    (HERE / f"signals-{args.task}.md").write_text(table)
+    recorded.with_suffix(".md").write_text(table)
     print(table.split("\n## ")[0])
     return 0
 

@@ -68,7 +68,7 @@ from pipetransformer.planning import optimizer_state_factor, profiled_costs  # n
 README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = "- This machine: `.venv/bin/python benchmarks/planner/local.py` (7 training launches, ~20 min)"
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_local"
-RESULTS = Path(__file__).resolve().parent / "local-results.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "local-results.json"
 CONFIG = CONFIG_DIR / "text_minilm_ddp.yaml"
 WORLD = 2
 LAYERS = 6

@@ -39,7 +39,7 @@ README = HERE / "README.md"
 INDEX_LINE = ("- The micro-batch count, measured: `.venv/bin/python benchmarks/planner/micro_batches.py` "
               "(30 training launches, ~20 min)")
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_micro_batches"
-RESULTS = HERE / "micro-batches-results.json"
+RESULTS = HERE / "results" / "micro-batches-results.json"
 REPEATS = 3
 NO_FIT = "is too small for"
 """What the planner's error says when no split fits the memory budget (a run that failed otherwise is not that)."""

@@ -34,7 +34,7 @@ README = Path(__file__).resolve().parent / "README.md"
 INDEX_LINE = ("- Recomputation against a second stage: `.venv/bin/python benchmarks/planner/recompute.py` "
               "(6 training launches, ~10 min)")
 RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "planner_recompute"
-RESULTS = Path(__file__).resolve().parent / "recompute-results.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "recompute-results.json"
 CONFIG = CONFIG_DIR / "text_minilm_no_freeze.yaml"
 REPEATS = 3
 STEPS = 60

@@ -8,7 +8,7 @@ One command per table::
 Runs the config family of a task (``ddp``, ``no_freeze``, ``freeze_only``, ``freeze_pipe_cache``,
 ``freeze_pipe_dp``, ``all``) and ``single`` (the ``ddp`` config in one process using every core, the other
 plain baseline a user would pick) with the same seed and epochs, repeats interleaved (the order rotates each
-repeat), and writes ``results-<task>.md`` / ``results-<task>.json`` here (``quick-`` before, the configs after
+repeat), and writes ``results/results-<task>.md`` / ``.json`` (``quick-`` before, the configs after
 when a quick run or a subset of the family ran, so those never overwrite a full run's files), plus
 ``pipetransformer report`` plots of the ``all`` run against the baselines, and puts the run's table in
 benchmarks/README.md under its own marker, keeping the section's hand-written history. For the text task it
@@ -52,6 +52,8 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
 __all__ = ["FAMILY", "main"]
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+"""Where every run writes its tables, records and plots."""
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "speedup"
 FAMILY = ("single", "ddp", "no_freeze", "freeze_only", "freeze_pipe_cache", "freeze_pipe_dp", "all")
 PLAIN_BASELINES = ("ddp", "single")
@@ -294,8 +296,9 @@ def _report(stem: str, results: list[RunResult], runs_dir: Path) -> str | None:
         print(f"report FAILED: {completed.stderr.strip().splitlines()[-1:]}", flush=True)
         return None
     name = f"{stem}-{REPORT_PNG}"
-    shutil.copyfile(out / REPORT_PNG, HERE / name)
-    shutil.copyfile(out / "report.md", HERE / f"{stem}.md")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out / REPORT_PNG, RESULTS / name)
+    shutil.copyfile(out / "report.md", RESULTS / f"{stem}.md")
     return name
 
 
@@ -318,7 +321,7 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
                "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
-    md_path, _ = write_results(HERE, stem, markdown, payload)
+    md_path, _ = write_results(RESULTS, stem, markdown, payload)
     _publish(task, stem, args, table, machine)
     print(f"results: {md_path}", flush=True)
     return {"table": table, "markdown": md_path}
@@ -336,7 +339,7 @@ def _publish(task: str, stem: str, args: argparse.Namespace, table: dict[str, di
             f"load at start {machine['load_average_at_start']})", "", f"Command: {_command(task, args)}", "",
             markdown_table(["config", "test acc %", "wall s", "min-max", "vs no_freeze", "vs faster plain",
                             "load avg"], rows), "",
-            *_targets(task, table), f"- files: `speedup/{stem}.md/json`"]
+            *_targets(task, table), f"- files: `speedup/results/{stem}.md/json`"]
     replace_block(HERE.parent / "README.md", f"speedup/{stem}", "\n".join(body), README_ANCHOR)
 
 

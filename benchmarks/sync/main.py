@@ -91,7 +91,7 @@ def main() -> None:
         + ("identical in every repeat (the sum is exact)." if same_losses else "**differ** between the settings."),
     ])
     # kept with the README
-    (HERE / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    (HERE / "results" / "results.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     replace_section(README, "sync", body, "# Gradient sync benchmark")
     replace_section(INDEX, "sync", body.replace("## ", "## sync: ", 1), INDEX_LINE)
     print(body)

@@ -361,8 +361,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from pipetransformer.freeze.policies import policy_from_settings
+    from pipetransformer.freeze.policies import policy_from_settings, resolve_prior
     from pipetransformer.freeze.replay import read_logged_steps, replay
+    from pipetransformer.optim import lr_at
     run_dir = Path(args.run_dir)
     run_config = run_dir / "config.yaml"
     if run_config.is_file() and (logged_every := load_config(run_config).run.log_every) != 1:
@@ -370,15 +371,17 @@ def _replay(args: argparse.Namespace) -> int:
                           "gradient statistics; train the run with --set run.log_every=1")
     steps = read_logged_steps(run_dir / "metrics.jsonl")
     config = load_config(args.config or run_config, args.overrides)
-    f = config.freeze
-    try:
-        policy = policy_from_settings(f, len(steps[0].layer_grad_norms), seed=config.seed, total_steps=len(steps))
+    f, layers = config.freeze, len(steps[0].layer_grad_norms)
+    try:  # the replayed run's learning-rate schedule, as the trainer builds it
+        prior = resolve_prior(f.prior, layers, pretrained=config.model.pretrained)
+        policy = policy_from_settings(f, layers, seed=config.seed, total_steps=len(steps), prior_layers=prior.layers,
+                                      learning_rates=[lr_at(step, len(steps), config.train) for step in range(len(steps))])
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    print(f"freeze.policy={f.policy} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
-          f"threshold={f.threshold} learned_by={f.learned_by} learned_min_steps={f.learned_min_steps} "
-          f"percentile={f.percentile} max_change={f.max_change} "
-          f"over {len(steps)} steps of {run_dir}")
+    print(f"freeze.policy={f.policy} prior={f.prior} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
+          f"threshold={f.threshold} max_advance={f.max_advance} learned_by={f.learned_by} "
+          f"learned_min_steps={f.learned_min_steps} percentile={f.percentile} max_change={f.max_change} "
+          f"max_fraction={f.max_fraction} over {len(steps)} steps of {run_dir}")
     try:
         decisions = replay(policy, steps)
     except ValueError as error:  # e.g. the policy needs signals the run did not log

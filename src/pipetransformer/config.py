@@ -18,15 +18,18 @@ from typing import Any, Literal
 
 import yaml
 
-from pipetransformer.freeze.policies import UNWINDOWED
-
-__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "Config", "ConfigError", "load_config", "apply_overrides",
-           "config_from_dict", "config_to_dict"]
+__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "UNWINDOWED", "Config", "ConfigError", "load_config", "apply_overrides",
+           "check_freeze_values", "config_from_dict", "config_to_dict"]
 
 BYTES_PER_GB = 1e9
 """The ``*_gb`` settings are decimal gigabytes."""
 BYTES_PER_MIB = 2**20
 """``dp.bucket_mib`` is in binary mebibytes, as DDP's ``bucket_cap_mb``."""
+UNWINDOWED = ("schedule", "none")
+"""Freeze policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
+LEARNED_BY = ("any_layer", "layer")
+"""Whose window of learning starts a layer's coherence test: any layer's (the default), or its own."""
+PERCENT = 100.0
 
 
 class ConfigError(ValueError):
@@ -70,6 +73,11 @@ class ModelConfig:
     pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)
     vit: dict[str, Any] = field(default_factory=dict)  # kind=vit: build_vit keyword arguments
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether the model starts from trained weights (MiniLM, or a ``path``), not a random initialisation."""
+        return self.kind == "minilm" or self.path is not None
 
 
 @dataclass
@@ -118,22 +126,75 @@ class DistConfig:
 
 @dataclass
 class FreezeConfig:
-    """AutoFreeze. The defaults are the tuned result (benchmarks/freeze_transfer): set ``enabled`` and nothing else."""
+    """AutoFreeze. The defaults are the tuned result (benchmarks/freeze_transfer): set ``enabled`` and nothing else.
+
+    These fields own every freeze default: the Python API (``freeze.make_policy``) takes them by reference."""
 
     enabled: bool = False  # AutoFreeze
     policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "coherence"  # coherence: freeze the layers whose gradient turned to noise; gradient: the paper's test
+    prior: int | Literal["auto", "none", "embeddings"] = "auto"  # frozen from the first step: auto = the embeddings for pretrained weights, nothing for random init; k = the embeddings and the bottom k layers
     interval: int | float = 0.05  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
     interval_unit: Literal["steps", "epochs", "fraction"] = "fraction"  # fraction: of the run's planned steps
     min_window_steps: int = 10  # interval_unit fraction: no window shorter than this many steps
-    alpha: float = 1 / 3  # geometric pace, the safety cap of coherence/gradient: fraction of the remaining layers frozen per decision
+    alpha: float = 1 / 3  # geometric and random policies: fraction of the remaining layers frozen per decision
     threshold: float = 0.2  # coherence policy: a layer whose gradient coherence stays below this (after it learned) has converged
-    max_advance: int | None = None  # coherence policy: at most this many more layers freeze per decision (null: no limit)
+    max_advance: int | None = 1  # coherence policy: at most this many more layers freeze per decision, each on its own evidence (null: no limit)
     learned_by: Literal["any_layer", "layer"] = "any_layer"  # coherence policy: whose window of learning starts a layer's test (any layer's, or its own)
     learned_min_steps: int = 20  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (two windows of the 10-step floor; a longer window counts alone)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
-    max_fraction: float = 1 / 3  # at most this fraction of the layers a deciding policy freezes (a schedule freezes what it lists): each layer beyond two of six cost accuracy on the freeze-transfer tasks
+    max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
+
+    def check(self) -> None:
+        """The values single field types cannot express; the bound by the model's layer count is the policy's."""
+        if self.policy not in UNWINDOWED:  # they read no windows (a schedule counts steps or epochs)
+            if self.interval_unit == "fraction":
+                if not 0.0 < self.interval <= 1.0:
+                    raise ConfigError(f"freeze.interval must be in (0, 1] with interval_unit: fraction (0.05 = every "
+                                      f"5% of the run), got {self.interval}")
+            elif not isinstance(self.interval, int) or self.interval < 1:
+                raise ConfigError(f"freeze.interval must be an integer >= 1 with interval_unit: {self.interval_unit}, "
+                                  f"got {self.interval}; for a share of the run set interval_unit: fraction")
+        if self.min_window_steps < 1:
+            raise ConfigError(f"freeze.min_window_steps must be >= 1, got {self.min_window_steps}")
+        if isinstance(self.prior, int) and self.prior < 0:
+            raise ConfigError(f"freeze.prior must be auto, none, embeddings or a layer count >= 0, got {self.prior}")
+        check_freeze_values(alpha=self.alpha, percentile=self.percentile, max_fraction=self.max_fraction,
+                            max_change=self.max_change, threshold=self.threshold, max_advance=self.max_advance,
+                            learned_by=self.learned_by, learned_min_steps=self.learned_min_steps)
+        if self.policy == "schedule" and self.enabled and not self.schedule:
+            raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
+        previous: list[int] | None = None
+        for entry in self.schedule or []:
+            if len(entry) != 2 or min(entry) < 0:
+                raise ConfigError(f"freeze.schedule entries are [at, frozen_layers] pairs of integers >= 0, "
+                                  f"got {entry}")
+            if previous is not None and (entry[0] <= previous[0] or entry[1] < previous[1]):
+                raise ConfigError(f"freeze.schedule must have at increasing and frozen_layers never decreasing: "
+                                  f"{previous} is followed by {entry}")
+            previous = entry
+
+
+def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float | None, max_change: float | None,
+                        threshold: float, max_advance: int | None, learned_by: str, learned_min_steps: int) -> None:
+    """The freeze settings' ranges, checked once for the config and the Python API (``freeze.make_policy``)."""
+    if not 0.0 < threshold < 1.0:
+        raise ConfigError(f"freeze.threshold must be in (0, 1), got {threshold}")
+    if max_advance is not None and max_advance < 1:
+        raise ConfigError(f"freeze.max_advance must be >= 1 (or null), got {max_advance}")
+    if learned_by not in LEARNED_BY:
+        raise ConfigError(f"freeze.learned_by must be one of {', '.join(LEARNED_BY)}, got {learned_by!r}")
+    if learned_min_steps < 1:
+        raise ConfigError(f"freeze.learned_min_steps must be >= 1, got {learned_min_steps}")
+    if not 0.0 < alpha <= 1.0:
+        raise ConfigError(f"freeze.alpha must be in (0, 1], got {alpha}")
+    if not 0.0 <= percentile <= PERCENT:
+        raise ConfigError(f"freeze.percentile must be in [0, 100], got {percentile}")
+    if max_change is not None and max_change <= 0.0:
+        raise ConfigError(f"freeze.max_change must be > 0 (or null for the percentile alone), got {max_change}")
+    if max_fraction is not None and not 0.0 <= max_fraction <= 1.0:
+        raise ConfigError(f"freeze.max_fraction must be in [0, 1] (or null), got {max_fraction}")
 
 
 @dataclass
@@ -200,7 +261,6 @@ class Config:
             "train.eval_batch_size": self.train.eval_batch_size,
             "data.max_length": self.data.max_length,
             "run.log_every": self.run.log_every,
-            "freeze.min_window_steps": self.freeze.min_window_steps,
             "checkpoint.keep": self.checkpoint.keep,
         }
         for key, value in positive.items():
@@ -244,24 +304,7 @@ class Config:
         if self.data.validation_fraction + self.data.test_fraction >= 1.0:
             raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1 so training keeps data, got "
                               f"{self.data.validation_fraction} + {self.data.test_fraction}")
-        self._validate_freeze_interval()
-        if not 0.0 < self.freeze.threshold < 1.0:
-            raise ConfigError(f"freeze.threshold must be in (0, 1), got {self.freeze.threshold}")
-        if self.freeze.max_advance is not None and self.freeze.max_advance < 1:
-            raise ConfigError(f"freeze.max_advance must be >= 1 (or null), got {self.freeze.max_advance}")
-        if self.freeze.learned_min_steps < 1:
-            raise ConfigError(f"freeze.learned_min_steps must be >= 1, got {self.freeze.learned_min_steps}")
-        if not 0.0 < self.freeze.alpha <= 1.0:
-            raise ConfigError(f"freeze.alpha must be in (0, 1], got {self.freeze.alpha}")
-        if not 0.0 <= self.freeze.percentile <= 100.0:
-            raise ConfigError(f"freeze.percentile must be in [0, 100], got {self.freeze.percentile}")
-        if self.freeze.max_change is not None and self.freeze.max_change <= 0.0:
-            raise ConfigError(f"freeze.max_change must be > 0 (or null for the percentile alone), got {self.freeze.max_change}")
-        if not 0.0 <= self.freeze.max_fraction <= 1.0:
-            raise ConfigError(f"freeze.max_fraction must be in [0, 1], got {self.freeze.max_fraction}")
-        if self.freeze.policy == "schedule" and self.freeze.enabled and not self.freeze.schedule:
-            raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
-        self._validate_schedule()
+        self.freeze.check()
         if isinstance(self.pipe.stages, int) and self.pipe.stages < 1:
             raise ConfigError(f"pipe.stages must be 'auto' or >= 1, got {self.pipe.stages}")
         if isinstance(self.pipe.micro_batches, int) and self.pipe.micro_batches < 1:
@@ -301,31 +344,6 @@ class Config:
                               "(image_folder: put test files in its folder)")
         if self.model.kind == "hf" and not (self.model.path or self.model.hf_config):
             raise ConfigError("model.kind=hf needs model.path (pretrained directory) or model.hf_config")
-
-    def _validate_freeze_interval(self) -> None:
-        interval, unit = self.freeze.interval, self.freeze.interval_unit
-        if self.freeze.policy in UNWINDOWED:  # they read no windows (a schedule counts steps or epochs)
-            return
-        if unit == "fraction":
-            if not 0.0 < interval <= 1.0:
-                raise ConfigError(f"freeze.interval must be in (0, 1] with interval_unit: fraction (0.05 = every 5% "
-                                  f"of the run), got {interval}")
-        elif not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"freeze.interval must be an integer >= 1 with interval_unit: {unit}, got {interval}; "
-                              "for a share of the run set interval_unit: fraction")
-
-    def _validate_schedule(self) -> None:
-        """The shape of ``freeze.schedule``; the bound by the model's layer count is checked by the policy."""
-        previous: list[int] | None = None
-        for entry in self.freeze.schedule or []:
-            if len(entry) != 2 or min(entry) < 0:
-                raise ConfigError(f"freeze.schedule entries are [at, frozen_layers] pairs of integers >= 0, "
-                                  f"got {entry}")
-            if previous is not None and (entry[0] <= previous[0] or entry[1] < previous[1]):
-                raise ConfigError(f"freeze.schedule must have at increasing and frozen_layers never decreasing: "
-                                  f"{previous} is followed by {entry}")
-            previous = entry
-
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Iterator
 from multiprocessing.context import SpawnContext, SpawnProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetransformer.cache.store import DEFAULT_SHM_DIR, FILE_PREFIX, ActivationStore, StoreLayout
+from pipetransformer.cache.store import DEFAULT_SHM_DIR, ActivationStore, StoreLayout
 from pipetransformer.models.blocks import Activation, ActivationSpec
 
 pytestmark = pytest.mark.slow
@@ -32,16 +31,6 @@ LEADER_LOOP = [5, 6, 13]
 """Samples the leader keeps rewriting until it is killed: data-parallel workers write disjoint samples."""
 BOUNDARY = 2
 
-
-def _cache_files(directory: Path | str = DEFAULT_SHM_DIR) -> set[str]:
-    return {name for name in os.listdir(directory) if name.startswith(FILE_PREFIX)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_leftovers_in_shm() -> Iterator[None]:
-    before = _cache_files()
-    yield
-    assert _cache_files() - before == set()
 
 
 def _activation_for(indices: list[int]) -> Activation:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetransformer.config import load_config
+from pipetransformer.config import ConfigError, load_config
 from pipetransformer.freeze.policies import make_policy
 from pipetransformer.train.autofreeze import AutoFreeze
 from pipetransformer.train.control import ControlVector
@@ -89,3 +89,42 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
     geometric = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=10"])
     assert AutoFreeze.from_config(geometric, tiny_model(), planned_steps=100, steps_per_epoch=50,
                                   warn=False).previous_grads is None
+
+
+@pytest.mark.parametrize(("overrides", "embeddings", "layers"), [
+    ([], False, 0),  # tiny_text: random weights (model.hf_config), so auto freezes nothing
+    (["model.kind=minilm"], True, 0),  # pretrained weights: auto is the embeddings
+    (["freeze.prior=embeddings"], True, 0),
+    (["freeze.prior=2"], True, 2),
+    (["model.kind=minilm", "freeze.prior=none"], False, 0),
+    (["model.kind=minilm", "freeze.enabled=false"], False, 0),  # no AutoFreeze, no prior
+])
+def test_the_prior_freezes_what_its_setting_says_before_the_optimizer_is_built(
+        overrides: list[str], embeddings: bool, layers: int) -> None:
+    config = load_config(ROOT_CONFIG, ["freeze.enabled=true", *overrides])
+    model = tiny_model()
+    freezer = AutoFreeze.from_config(config, model, planned_steps=100, steps_per_epoch=50, warn=False)
+    frozen_blocks = layers + 1 if embeddings else 0
+    assert (freezer.prior.embeddings, freezer.prior.layers) == (embeddings, layers)
+    assert freezer.frozen == frozenset(range(layers))
+    assert freezer.prefix_blocks() == frozen_blocks
+    assert [all(not p.requires_grad for p in block.parameters()) for block in model.blocks] == \
+        [i < frozen_blocks for i in range(len(model.blocks))]
+    optimizer = HeldOptimizer(model, config.train)
+    optimizer.rebuild((0, len(model)), {})
+    assert optimizer.optimizer is not None
+    held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    assert not held & {id(p) for i in range(frozen_blocks) for p in model.blocks[i].parameters()}
+    described = freezer.prior.describe()
+    assert ("frozen from the first step" in described) == embeddings
+    assert ("freeze.prior" if config.freeze.enabled else "freeze.enabled: false") in described
+    # a resumed run re-applies the prior to a fresh model and keeps the policy's layers
+    fresh = AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=False)
+    fresh.load_state_dict(freezer.state_dict())
+    assert [p.requires_grad for p in fresh.model.parameters()] == [p.requires_grad for p in model.parameters()]
+
+
+def test_a_prior_that_leaves_no_layer_training_is_refused() -> None:
+    config = load_config(ROOT_CONFIG, ["freeze.enabled=true", f"freeze.prior={LAYERS}"])
+    with pytest.raises(ConfigError, match="freeze.prior must be auto, none, embeddings or a layer count in 0..2"):
+        AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=False)

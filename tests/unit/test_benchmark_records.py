@@ -15,7 +15,7 @@ import pytest
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
 BENCHMARK_DIR = BENCHMARKS / "freeze_transfer"
-RECORDS = sorted(BENCHMARK_DIR.glob("results*.json"))
+RECORDS = sorted((BENCHMARK_DIR / "results").glob("results*.json"))
 RESCORE_HINT = "rescore it with benchmarks/freeze_transfer/main.py --rescore and commit what moved"
 
 
@@ -24,8 +24,9 @@ def benchmark() -> ModuleType:
     return load_benchmark("freeze_transfer")
 
 
-def test_there_are_records() -> None:
-    assert len(RECORDS) >= 3, f"expected the recorded full runs in {BENCHMARK_DIR}"
+def test_there_are_records(benchmark: ModuleType) -> None:
+    assert len(RECORDS) >= 3, f"expected the recorded full runs in {BENCHMARK_DIR / 'results'}"
+    assert benchmark.RESULTS == RECORDS[0].parent, "the benchmark writes its records where this test reads them"
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=[path.stem for path in RECORDS])
@@ -42,8 +43,8 @@ def test_a_record_is_its_runs_scored_today(benchmark: ModuleType, record: Path) 
 @pytest.mark.parametrize("mode", ["full", "quick"])
 def test_the_benchmarks_readme_shows_the_newest_record(benchmark: ModuleType, mode: str) -> None:
     stem = benchmark._stem(mode)
-    markdown = (BENCHMARK_DIR / f"{stem}.md").read_text(encoding="utf-8")
-    section = (BENCHMARK_DIR.parent / "README.md").read_text(encoding="utf-8").split(
+    markdown = (benchmark.RESULTS / f"{stem}.md").read_text(encoding="utf-8")
+    section = (BENCHMARKS / "README.md").read_text(encoding="utf-8").split(
         f"<!-- freeze_transfer-{mode}:start -->\n", 1)[1].split(f"\n<!-- freeze_transfer-{mode}:end -->", 1)[0]
     assert section + "\n" == markdown.replace("# Freeze", "## Freeze", 1), \
         f"benchmarks/README.md's freeze_transfer-{mode} section is not {stem}.md: {RESCORE_HINT}"

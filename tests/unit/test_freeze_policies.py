@@ -37,8 +37,12 @@ DEFAULTS: dict[str, Any] = {
     "schedule": None,
     "max_change": None,
     "threshold": 0.1,
+    "max_advance": None,
+    "learned_min_steps": 1,
     "seed": 0,
 }
+"""The synthetic traces' settings: every layer may freeze at once, and one window of learning starts the test
+(the package defaults, pinned in ``test_the_python_api_and_the_cli_build_the_same_default_freezer``, differ)."""
 
 
 def build(name: str, num_layers: int = NUM_LAYERS, **overrides: Any) -> FreezePolicy:
@@ -136,10 +140,14 @@ def test_gradient_freezes_the_layers_whose_norms_stopped_changing() -> None:
     assert decisions[2:] == [None, None, None]
 
 
-def test_gradient_is_bounded_by_the_geometric_schedule() -> None:
-    decisions = run(build("gradient", alpha=0.25), stable_bottom_trace(windows=5, stable=3))
+def test_gradient_is_bounded_by_the_learning_rate_budget() -> None:
+    # a fifth of the learning rate spent per window: at most floor(6 * spent) layers, 1, 2, 3, 4, 6
+    policy = build("gradient", spent=[0.2, 0.4, 0.6, 0.8, 1.0])
+    decisions = run(policy, stable_bottom_trace(windows=5, stable=3))
     assert frozen_counts(decisions) == [0, 2, 3, 3, 3]
     assert decisions[1] is not None and decisions[1].details["bound"] == 2
+    assert decisions[1].details["spent"] == pytest.approx(0.4)
+    assert policy.cap_binds == 1  # three converged in window 2, the budget allowed two
 
 
 def test_gradient_freezes_nothing_while_the_bottom_layer_still_changes() -> None:
@@ -425,16 +433,58 @@ def test_coherence_counts_a_layer_without_valid_dot_products_as_learning() -> No
         build("coherence").observe([1.0] * NUM_LAYERS)
 
 
-def test_coherence_is_capped_by_the_geometric_bound_and_records_it() -> None:
+def test_coherence_is_bounded_by_the_learning_rate_budget_and_records_why() -> None:
     norms, dots = coherence_trace([LEARNING] + [[0.01] * NUM_LAYERS] * 5)
-    policy = build("coherence", alpha=1 / 3, max_fraction=0.84)
+    policy = build("coherence", max_fraction=0.84, spent=[k / NUM_LAYERS for k in range(1, NUM_LAYERS + 1)])
     decisions = run(policy, norms, dots=dots)
-    # bound round(6 (1 - (2/3)^T)) = 2, 3, 4, 5, 5, 5; from the third window every layer has converged (6),
-    # which max_fraction turns into 5: the bound holds it back in window 3 only
-    assert frozen_counts(decisions) == [0, 0, 4, 5, 5, 5]
-    assert [d.details["candidate"] for d in decisions if d] == [6] * 2
-    assert [d.details["bound"] for d in decisions if d] == [4, 5]
-    assert policy.cap_binds == 1
+    # budget floor(6 * k / 6) = k after window k; from the third window every layer has converged (6), which
+    # max_fraction turns into 5: the budget holds it back in windows 3 and 4
+    assert frozen_counts(decisions) == [0, 0, 3, 4, 5, 5]
+    assert [d.details["candidate"] for d in decisions if d] == [6] * 3
+    assert [d.details["bound"] for d in decisions if d] == [3, 4, 5]
+    assert policy.cap_binds == 2
+    third = decisions[2]
+    assert third is not None
+    assert third.details["reasons"] == ["freezes"] * 3 + ["held:budget"] * 3
+    fifth = decisions[4]
+    assert fifth is not None and fifth.details["reasons"] == ["frozen"] * 4 + ["freezes", "held:budget"]
+
+
+def test_a_reason_for_every_layer_in_every_window() -> None:
+    """Not learned yet, learning, one window below, above a layer still learning, held by the one-layer pace."""
+    layers_2_3_converged = [0.5, 0.5, 0.01, 0.01, 0.5, 0.5]
+    norms, dots = coherence_trace([[0.01] * NUM_LAYERS, LEARNING, [0.01] * NUM_LAYERS, [0.01] * NUM_LAYERS,
+                                   layers_2_3_converged])
+    windows = []
+    policy = build("coherence", max_advance=1)
+    for step, (n, d) in enumerate(zip(norms, dots), start=1):
+        policy.observe(n, d)
+        policy.decide(step, 0, epoch_end=False)
+        windows.append(policy.last_window["reasons"] if policy.last_window else None)
+    assert windows[0] == ["not_learned"] * NUM_LAYERS  # low coherence before any learning: not a convergence
+    assert windows[1] == ["learning"] * NUM_LAYERS
+    assert windows[2] == ["one_window_below"] * NUM_LAYERS
+    assert windows[3] == ["freezes"] + ["held:max_advance"] * (NUM_LAYERS - 1)
+    assert windows[4] == ["frozen", "learning", "above_learning", "above_learning", "learning", "learning"]
+
+
+def test_the_prior_starts_frozen_and_evidence_builds_on_it() -> None:
+    norms, dots = coherence_trace([LEARNING] + [[0.01] * NUM_LAYERS] * 4)
+    policy = build("coherence", prior_layers=2, max_advance=1, spent=[0.25, 0.5, 0.75, 1.0, 1.0])
+    assert policy.frozen == frozenset({0, 1})
+    decisions = run(policy, norms, dots=dots)
+    # budget 2 + floor(4 * spent): 3, 4, 5, 6, 6 (the prior's two count from the first step)
+    assert frozen_counts(decisions) == [0, 0, 3, 4, 5]
+    assert policy.outcome() == "5 of 6 layers frozen in 5 decision windows"
+    nothing = build("coherence", prior_layers=2)
+    assert nothing.outcome() == ("nothing froze beyond the prior's 2 layers in 0 decision windows: the coherence test "
+                                 "needs 3 (one to learn, two below the threshold); shorten freeze.interval (or "
+                                 "freeze.min_window_steps)")
+    with pytest.raises(ValueError, match="prior_layers"):
+        build("coherence", prior_layers=NUM_LAYERS)
+    state = policy.state_dict()
+    with pytest.raises(ValueError, match="freeze.prior"):
+        build("coherence").load_state_dict(state)
 
 
 def test_coherence_max_advance_freezes_converged_layers_a_few_at_a_time() -> None:
@@ -635,3 +685,26 @@ def test_policy_from_settings_turns_a_fraction_into_steps() -> None:
     assert policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=30).interval == 5
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         window_steps(1.5, 100, 1)
+
+
+def test_the_python_api_and_the_cli_build_the_same_default_freezer() -> None:
+    """``FreezeConfig`` owns every default: ``make_policy``'s keyword defaults are its fields, and a policy built
+    from the Python API with no settings equals the one a default config builds, field by field."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name: f.default for f in dataclasses.fields(FreezeConfig)}
+    for name, parameter in inspect.signature(make_policy).parameters.items():
+        if name in fields and parameter.default is not inspect.Parameter.empty:
+            assert parameter.default == fields[name], name
+    total = 200
+    settings = FreezeConfig(enabled=True)
+    from_cli = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=total)
+    from_api = make_policy(settings.policy, NUM_LAYERS, interval=window_steps(settings.interval, total,
+                                                                            settings.min_window_steps),
+                           interval_unit="steps", seed=0, spent=[(step + 1) / total for step in range(total)])
+    assert type(from_api) is type(from_cli)
+    for attribute in ("interval", "interval_unit", "max_frozen", "prior_layers", "threshold", "max_advance",
+                      "learned_by", "learned_min_steps"):
+        assert getattr(from_api, attribute) == getattr(from_cli, attribute), attribute
+    assert from_api.spent == pytest.approx(from_cli.spent)

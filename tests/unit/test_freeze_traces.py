@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.config import FreezeConfig
-from pipetransformer.freeze.policies import FreezeDecision, policy_from_settings
+from pipetransformer.config import FreezeConfig, TrainConfig
+from pipetransformer.freeze.policies import (FreezeDecision, FreezePolicy, budget_layers, policy_from_settings,
+                                             spent_shares)
 from pipetransformer.freeze.replay import LoggedStep, read_logged_steps, replay
+from pipetransformer.optim import lr_at
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 TRACES = {"2000x3": "rotten_tomatoes_2000x3_ddp.jsonl", "1000x3": "rotten_tomatoes_1000x3_ddp.jsonl"}
@@ -25,9 +27,15 @@ def trace(name: str) -> list[LoggedStep]:
     return read_logged_steps(DATA / TRACES[name])
 
 
+def replayed(settings: FreezeConfig, steps: list[LoggedStep]) -> FreezePolicy:
+    """The policy of these settings for a run of these steps, under the recorded runs' learning-rate schedule
+    (linear decay after 6% warm-up: ``TrainConfig``'s)."""
+    rates = [lr_at(step, len(steps), TrainConfig()) for step in range(len(steps))]
+    return policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps), learning_rates=rates)
+
+
 def first_decision(settings: FreezeConfig, steps: list[LoggedStep]) -> FreezeDecision | None:
-    policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps))
-    decisions = replay(policy, steps)
+    decisions = replay(replayed(settings, steps), steps)
     return decisions[0] if decisions else None
 
 
@@ -35,30 +43,34 @@ def first_epoch_end(steps: list[LoggedStep]) -> int:
     return next(s.step for s, following in zip(steps, steps[1:]) if following.epoch != s.epoch)
 
 
-DEFAULT_DECISIONS = {"2000x3": [(70, 2)], "1000x3": [(60, 1), (70, 2)]}
-"""The default's decisions (``learned_by: any_layer``, ``learned_min_steps: 20``): on the 2,000-snippet trace the
+DEFAULT_DECISIONS = {"2000x3": [(70, 1), (80, 2), (110, 3), (150, 4), (160, 5)],
+                     "1000x3": [(60, 1), (70, 2), (80, 3), (90, 4)]}
+"""The default's decisions (``learned_by: any_layer``, ``learned_min_steps: 20``, one layer per window, the
+learning-rate budget), exact up to the first (a replay of a run that froze nothing): on the 2,000-snippet trace the
 upper layers pass 0.2 in the first 10-step window; with ``learned_min_steps: 1`` (the rule until 2026-11-27) that window
 alone started the test and layer 0, below 0.2 in windows 2-3, froze at step 30, inside the first epoch. With 20 steps
-of learning the test starts after window 2, layer 0's window 4 (coherence 0.62) keeps it learning, and two layers
-freeze at step 70, as under the rule before 2026-11-26 (``learned_by: layer``)."""
+of learning the test starts after window 2, layer 0's window 4 (coherence 0.62) keeps it learning, and layer 0
+freezes at step 70 (58% of the learning rate spent), one more layer in each window its evidence and the budget allow.
+Until 2026-11-27 ``max_fraction`` 1/3 stopped every run at two layers."""
 
 
 @pytest.mark.parametrize("name", TRACES)
-def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(name: str) -> None:
+def test_the_default_waits_for_convergence_then_freezes_one_layer_at_a_time_within_the_budget(name: str) -> None:
     steps = trace(name)
     decision = first_decision(FreezeConfig(enabled=True), steps)
     assert decision is not None
-    # Not before a window of learning and two below the threshold after it: the third window at the earliest.
-    assert decision.details["decision_index"] >= 3
-    assert decision.frozen == frozenset(range(len(decision.frozen)))
-    assert min(decision.details["candidate"], decision.details["cap"]) <= decision.details["bound"]
-    # ... and never more than a third of the layers (freeze.max_fraction 1/3), however many converge.
-    policy = policy_from_settings(FreezeConfig(enabled=True), NUM_LAYERS, seed=0, total_steps=len(steps))
+    # Not before two windows of learning and two below the threshold after them: the fourth window at the earliest.
+    assert decision.details["decision_index"] >= 4
+    policy = replayed(FreezeConfig(enabled=True), steps)
     decisions = replay(policy, steps)
-    assert max(len(d.frozen) for d in decisions) <= NUM_LAYERS // 3
+    spent = spent_shares([lr_at(step, len(steps), TrainConfig()) for step in range(len(steps))])
+    for previous, current in zip([frozenset(), *(d.frozen for d in decisions)], (d.frozen for d in decisions)):
+        assert current == frozenset(range(len(current))) and len(current) == len(previous) + 1  # a prefix, one more
+    for d in decisions:
+        assert len(d.frozen) <= budget_layers(NUM_LAYERS, 0, spent[d.step - 1]) == d.details["bound"]
+        assert d.details["reasons"][len(d.frozen) - 1] == "freezes"
     assert [(d.step, len(d.frozen)) for d in decisions] == DEFAULT_DECISIONS[name]
-    own = policy_from_settings(FreezeConfig(enabled=True, learned_by="layer", learned_min_steps=1), NUM_LAYERS,
-                               seed=0, total_steps=len(steps))
+    own = replayed(FreezeConfig(enabled=True, learned_by="layer", learned_min_steps=1), steps)
     first_own = replay(own, steps)[0]
     assert first_own.step > first_epoch_end(steps)  # the earlier rule waited out the first epoch on both traces
 
@@ -66,15 +78,14 @@ def test_the_default_waits_for_convergence_then_freezes_a_prefix_within_the_cap(
 def test_learning_that_lasts_one_window_started_the_test_in_the_warm_up() -> None:
     """With ``learned_min_steps: 1`` (the rule until 2026-11-27) the 2,000-snippet trace's first 10-step window started
     the test, and layer 0 froze at step 30; on the 1,000-snippet trace both rules decide alike."""
-    for name, expected in (("2000x3", [(30, 1), (70, 2)]), ("1000x3", DEFAULT_DECISIONS["1000x3"])):
+    for name, first in (("2000x3", (30, 1)), ("1000x3", DEFAULT_DECISIONS["1000x3"][0])):
         steps = trace(name)
-        policy = policy_from_settings(FreezeConfig(enabled=True, learned_min_steps=1), NUM_LAYERS, seed=0,
-                                      total_steps=len(steps))
-        assert [(d.step, len(d.frozen)) for d in replay(policy, steps)] == expected, name
+        decision = first_decision(FreezeConfig(enabled=True, learned_min_steps=1), steps)
+        assert decision is not None and (decision.step, len(decision.frozen)) == first, name
 
 
 PAPER = FreezeConfig(enabled=True, policy="gradient", interval=0.05, interval_unit="fraction", min_window_steps=10,
-                     alpha=1 / 3, percentile=50.0, max_fraction=0.84)  # up to 5 of 6: the criteria are under test
+                     percentile=50.0, max_advance=None)  # as many layers as converged: the criteria are under test
 CRITERIA = {
     "paper": PAPER,  # the relative percentile of the gradient-norm change
     "paper+floor": FreezeConfig(**{**PAPER.__dict__, "max_change": 0.1}),  # ... plus an absolute floor
@@ -85,8 +96,8 @@ CRITERIA = {
 EXPECTED = {  # (step, frozen layers) of every decision a replay takes, exact up to the first
     ("2000x3", "paper"): [(40, 1), (60, 3), (110, 4), (140, 5)],
     ("2000x3", "paper+floor"): [(100, 2), (110, 3), (130, 4)],
-    ("2000x3", "coherence"): [(70, 3), (80, 4), (110, 5)],
-    ("2000x3", "coherence (own)"): [(70, 3), (80, 4), (110, 5)],
+    ("2000x3", "coherence"): [(70, 3), (110, 4), (150, 5)],  # the budget holds the fourth layer until 81% is spent
+    ("2000x3", "coherence (own)"): [(70, 3), (110, 4), (150, 5)],
     ("1000x3", "paper"): [(50, 3), (80, 4), (90, 5)],
     ("1000x3", "paper+floor"): [(50, 3), (80, 4), (90, 5)],
     ("1000x3", "coherence"): [(60, 1), (70, 5)],
@@ -97,10 +108,9 @@ EXPECTED = {  # (step, frozen layers) of every decision a replay takes, exact up
 @pytest.mark.parametrize(("name", "criterion"), EXPECTED)
 def test_each_criterions_decisions_on_the_recorded_traces(name: str, criterion: str) -> None:
     steps = trace(name)
-    policy = policy_from_settings(CRITERIA[criterion], NUM_LAYERS, seed=0, total_steps=len(steps))
+    policy = replayed(CRITERIA[criterion], steps)
     decisions = replay(policy, steps)
     assert [(d.step, len(d.frozen)) for d in decisions] == EXPECTED[(name, criterion)]
-    assert policy.cap_binds == 0
 
 
 def test_the_papers_percentile_freezes_while_every_layer_learns_most() -> None:
@@ -110,7 +120,7 @@ def test_the_papers_percentile_freezes_while_every_layer_learns_most() -> None:
     steps = trace("2000x3")
     decision = first_decision(PAPER, steps)
     assert decision is not None and (decision.step, sorted(decision.frozen)) == (40, [0])
-    coherence = policy_from_settings(CRITERIA["coherence"], NUM_LAYERS, seed=0, total_steps=len(steps))
+    coherence = replayed(CRITERIA["coherence"], steps)
     replay(coherence, steps[:40])
     assert all(c is not None and c > 0.6 for c in coherence.previous_coherence)
 
@@ -123,10 +133,10 @@ def test_coherence_needs_the_model_to_have_learned_first() -> None:
     steps = trace("2000x3")
     for learned_by, learned_min_steps, frozen in (("layer", 1, frozenset()), ("any_layer", 1, frozenset({0})),
                                                   ("any_layer", 20, frozenset())):
-        settings = FreezeConfig(enabled=True, policy="coherence", interval=10, interval_unit="steps", alpha=1.0,
-                                threshold=0.2, max_fraction=0.84, learned_by=learned_by,
+        settings = FreezeConfig(enabled=True, policy="coherence", interval=10, interval_unit="steps",
+                                threshold=0.2, max_advance=None, learned_by=learned_by,
                                 learned_min_steps=learned_min_steps)
-        policy = policy_from_settings(settings, NUM_LAYERS, seed=0, total_steps=len(steps))
+        policy = replayed(settings, steps)
         replay(policy, steps[:30])
         assert policy.frozen == frozen, learned_by
         assert policy.previous_coherence[0] is not None and policy.previous_coherence[0] < settings.threshold

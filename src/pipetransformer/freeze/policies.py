@@ -5,8 +5,11 @@ Layers are 0-based transformer layer indices (layer ``i`` is block ``i + 1`` of 
 the embeddings block freezes with layer 0 and the head never freezes.
 
 Every policy is monotone (a frozen layer never thaws: its cached outputs and the pipeline built
-around it stay valid). The deciding policies are capped by ``max_fraction`` so some layers always keep
-learning; a schedule is the user's explicit plan and freezes what it lists.
+around it stay valid). A run may start from a prior (``FreezePrior``: the embeddings, or the embeddings and
+the bottom layers, frozen from the first step) that the policy then builds on. The policies that decide from
+evidence (coherence, gradient) are bounded by the run's learning-rate budget (``budget_layers``); a user's
+``max_fraction``, when set, caps every deciding policy; a schedule is the user's explicit plan and freezes what
+it lists.
 Policies count steps and epochs themselves from ``decide`` calls (a step is counted when ``step``
 differs from the previous call's), so how a trainer numbers its steps (0- or 1-based) cannot shift a
 window, and a trainer may call once more at an epoch's end with the same ``step`` and
@@ -24,8 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from pipetransformer.config import UNWINDOWED, FreezeConfig, check_freeze_values
+
 __all__ = [
     "INTERVAL_UNITS",
+    "PRETRAINED_PRIOR",
+    "FreezePrior",
     "POLICY_NAMES",
     "FreezeDecision",
     "CoherencePolicy",
@@ -38,17 +45,37 @@ __all__ = [
     "frozen_blocks",
     "frozen_prefix_layers",
     "geometric_frozen_count",
+    "budget_layers",
     "make_policy",
     "policy_from_settings",
+    "resolve_prior",
+    "spent_shares",
     "window_steps",
 ]
 
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
-UNWINDOWED = ("schedule", "none")
-"""Policies without decision windows: ``interval`` does not apply (a schedule's ``at`` counts steps or epochs)."""
-LEARNED_BY = ("any_layer", "layer")
-"""Whose window of learning starts a layer's coherence test: any layer's (the default), or its own."""
+PRIOR_AUTO, PRIOR_NONE, PRIOR_EMBEDDINGS = "auto", "none", "embeddings"
+PRETRAINED_PRIOR: str | int = PRIOR_EMBEDDINGS
+"""What ``freeze.prior: auto`` freezes from the first step of a model loaded with pretrained weights. Pretrained
+token and patch embeddings are the part of a model a fine-tune moves least; the bottom layers are left to the
+evidence. A model trained from random initialisation starts with nothing frozen."""
+
+FROZEN_BEFORE, FREEZES = "frozen", "freezes"
+HELD_BY_BUDGET, HELD_BY_ADVANCE, HELD_BY_MAX_FRACTION = "held:budget", "held:max_advance", "held:max_fraction"
+NOT_LEARNED, LEARNING, ONE_WINDOW_BELOW, ABOVE_LEARNING = "not_learned", "learning", "one_window_below", "above_learning"
+REASONS = {
+    FROZEN_BEFORE: "frozen in an earlier window (or by the prior)",
+    FREEZES: "converged: freezes in this window",
+    HELD_BY_BUDGET: "converged, held back by the learning-rate budget (budget_layers)",
+    HELD_BY_ADVANCE: "converged, held back by freeze.max_advance (one more layer per window)",
+    HELD_BY_MAX_FRACTION: "converged, held back by freeze.max_fraction",
+    NOT_LEARNED: "the test has not started: no learning seen yet (freeze.learned_by, learned_min_steps)",
+    LEARNING: "its coherence is at or above the threshold: still learning",
+    ONE_WINDOW_BELOW: "below the threshold in this window only (two in a row are needed)",
+    ABOVE_LEARNING: "converged, but a layer below it is still learning (freezing is a prefix)",
+}
+"""The coherence policy's per-layer reason codes in each window's record, and what they mean."""
 
 WINDOWS_BELOW = 2
 """Coherence: consecutive windows below the threshold before a layer counts as converged (one window's estimate is
@@ -56,8 +83,58 @@ noisy)."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
-_PERCENT = 100.0
 _LARGEST_FLOAT = float(np.finfo(np.float64).max)
+
+
+@dataclass(frozen=True)
+class FreezePrior:
+    """What a run freezes at its first step, before any evidence: the embeddings, and the bottom ``layers``."""
+
+    embeddings: bool
+    layers: int
+    source: str  # the setting and why it applies, for the run's record
+
+    def describe(self) -> str:
+        if not self.embeddings:
+            return f"nothing frozen from the start ({self.source})"
+        layers = f" and the bottom {self.layers} layers" if self.layers else ""
+        return f"the embeddings{layers} frozen from the first step ({self.source})"
+
+
+def resolve_prior(setting: str | int, num_layers: int, *, pretrained: bool) -> FreezePrior:
+    """``freeze.prior`` for a model: ``auto`` is ``PRETRAINED_PRIOR`` for pretrained weights and ``none`` for a
+    random initialisation; ``embeddings``; or an integer ``k``, the embeddings and the bottom ``k`` layers."""
+    source = f"freeze.prior: {setting}"
+    if setting == PRIOR_AUTO:
+        source += ", pretrained weights" if pretrained else ", random initialisation"
+        setting = PRETRAINED_PRIOR if pretrained else PRIOR_NONE
+    if setting == PRIOR_NONE:
+        return FreezePrior(False, 0, source)
+    if setting == PRIOR_EMBEDDINGS:
+        return FreezePrior(True, 0, source)
+    if isinstance(setting, bool) or not isinstance(setting, int) or not 0 <= setting < num_layers:
+        raise ValueError(f"freeze.prior must be auto, none, embeddings or a layer count in 0..{num_layers - 1} "
+                         f"(at least one layer keeps training), got {setting!r}")
+    return FreezePrior(True, setting, source)
+
+
+def spent_shares(learning_rates: Sequence[float]) -> list[float]:
+    """Share of the run's learning rate spent after each step: ``sum(lr[:t+1]) / sum(lr)``."""
+    total = float(sum(learning_rates))
+    if total <= 0.0:
+        return [1.0] * len(learning_rates)
+    return [float(spent) / total for spent in np.cumsum(np.asarray(learning_rates, dtype=np.float64))]
+
+
+def budget_layers(num_layers: int, prior_layers: int, spent: float) -> int:
+    """How many layers evidence may have frozen once a share ``spent`` of the run's learning rate is spent:
+    the prior's, and of the others the same share, rounded down.
+
+    A layer frozen with a share ``r`` of the learning rate still to come forgoes that share of its updates, so
+    freezing deeper only as the run spends its learning rate bounds what any layer can miss: at a third of it
+    spent, a third of the layers above the prior; all of them only at the very end. It needs no tuning to the
+    model's depth or the run's length."""
+    return prior_layers + math.floor((num_layers - prior_layers) * spent + _FLOAT_SLACK)
 
 
 @dataclass(frozen=True)
@@ -107,16 +184,19 @@ class FreezePolicy(ABC):
 
     name: str
 
-    def __init__(self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float) -> None:
+    def __init__(self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float | None,
+                 prior_layers: int = 0, spent: Sequence[float] | None = None) -> None:
         self.num_layers = num_layers
         self.interval = interval
         self.interval_unit = interval_unit
-        self.max_frozen = math.floor(max_fraction * num_layers + _FLOAT_SLACK)
-        self.frozen: frozenset[int] = frozenset()
+        self.max_frozen = num_layers if max_fraction is None else math.floor(max_fraction * num_layers + _FLOAT_SLACK)
+        self.prior_layers = prior_layers
+        self.spent = list(spent) if spent is not None else None  # learning-rate share spent after each step
+        self.frozen: frozenset[int] = frozenset(range(prior_layers))
         self.steps_done = 0
         self.epochs_done = 0
         self.windows_done = 0
-        self.cap_binds = 0  # windows where the geometric bound held back layers the policy found converged
+        self.cap_binds = 0  # windows where the policy's bound held back layers its test found converged
         self.last_step: int | None = None
         self.last_window: dict[str, Any] | None = None  # the numbers of a window that ended at the last decide()
 
@@ -176,22 +256,38 @@ class FreezePolicy(ABC):
 
     def outcome(self) -> str:
         """One line for the end of a run: how much froze, or why nothing did."""
-        if self.frozen:
+        if len(self.frozen) > self.prior_layers:
             return f"{len(self.frozen)} of {self.num_layers} layers frozen in {self.windows_done} decision windows"
-        if self.max_frozen == 0:
-            return "nothing froze: freeze.max_fraction allows no layer"
-        return f"nothing froze in {self.windows_done} decision windows"
+        if self.max_frozen <= self.prior_layers:
+            return f"{self._nothing()}: freeze.max_fraction allows no layer" + (" beyond it" if self.prior_layers else "")
+        return f"{self._nothing()} in {self.windows_done} decision windows"
+
+    def _nothing(self) -> str:
+        return f"nothing froze beyond the prior's {self.prior_layers} layers" if self.prior_layers else "nothing froze"
 
     def _capped_prefix(self, count: int) -> frozenset[int]:
-        """The first ``count`` layers, capped by ``max_fraction``."""
-        return frozenset(range(min(count, self.max_frozen)))
+        """The first ``count`` layers, capped by ``max_fraction`` (never fewer than the prior)."""
+        return frozenset(range(max(min(count, self.max_frozen), self.prior_layers)))
 
     def _bounded_prefix(self, candidate: int, bound: int) -> frozenset[int]:
-        """The ``candidate`` layers a convergence test found, held to the geometric ``bound`` (counted in
-        ``cap_binds`` when that holds back a layer ``max_fraction`` would let freeze)."""
+        """The ``candidate`` layers a convergence test found, held to ``bound`` (counted in ``cap_binds`` when
+        that holds back a layer ``max_fraction`` would let freeze)."""
         if min(candidate, self.max_frozen) > bound:
             self.cap_binds += 1
         return self._capped_prefix(min(candidate, bound))
+
+    def spent_share(self) -> float | None:
+        """Share of the run's learning rate spent so far (``None`` when the policy was given no schedule)."""
+        if self.spent is None:
+            return None
+        if not self.spent or self.steps_done == 0:
+            return 0.0
+        return self.spent[min(self.steps_done, len(self.spent)) - 1]
+
+    def budget(self) -> int:
+        """Layers evidence may have frozen by now (all of them without a learning-rate schedule)."""
+        spent = self.spent_share()
+        return self.num_layers if spent is None else budget_layers(self.num_layers, self.prior_layers, spent)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state: enough to make the same future decisions after a restart."""
@@ -204,6 +300,7 @@ class FreezePolicy(ABC):
             "windows_done": self.windows_done,
             "cap_binds": self.cap_binds,
             "last_step": self.last_step,
+            "prior_layers": self.prior_layers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,6 +309,9 @@ class FreezePolicy(ABC):
                 f"checkpoint holds a {state['policy']} policy over {state['num_layers']} layers, not "
                 f"{self.name} over {self.num_layers}: set freeze.policy and the model as in the checkpoint"
             )
+        if int(state.get("prior_layers", 0)) != self.prior_layers:  # absent from checkpoints before the prior
+            raise ValueError(f"checkpoint froze {state.get('prior_layers', 0)} layers from the start, this run "
+                             f"{self.prior_layers}: set freeze.prior as in the checkpoint")
         self.frozen = frozenset(int(i) for i in state["frozen"])
         self.steps_done = int(state["steps_done"])
         self.epochs_done = int(state["epochs_done"])
@@ -237,10 +337,8 @@ class GeometricPolicy(FreezePolicy):
 
     name = "geometric"
 
-    def __init__(
-        self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float, alpha: float
-    ) -> None:
-        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+    def __init__(self, num_layers: int, *, alpha: float, **common: Any) -> None:
+        super().__init__(num_layers, **common)
         self.alpha = alpha
 
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
@@ -260,12 +358,8 @@ class RandomPolicy(GeometricPolicy):
 
     name = "random"
 
-    def __init__(
-        self, num_layers: int, *, interval: int, interval_unit: str, max_fraction: float, alpha: float, seed: int
-    ) -> None:
-        super().__init__(
-            num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction, alpha=alpha
-        )
+    def __init__(self, num_layers: int, *, alpha: float, seed: int, **common: Any) -> None:
+        super().__init__(num_layers, alpha=alpha, **common)
         self.seed = seed
 
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
@@ -291,16 +385,8 @@ class SchedulePolicy(FreezePolicy):
 
     name = "schedule"
 
-    def __init__(
-        self,
-        num_layers: int,
-        *,
-        interval: int,
-        interval_unit: str,
-        max_fraction: float,
-        schedule: Sequence[Sequence[int]],
-    ) -> None:
-        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
+    def __init__(self, num_layers: int, *, schedule: Sequence[Sequence[int]], **common: Any) -> None:
+        super().__init__(num_layers, **common)
         self.schedule = _validated_schedule(schedule, num_layers)
 
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
@@ -330,9 +416,8 @@ class GradientPolicy(FreezePolicy):
     ratio ``|g_prev - g_cur| / g_prev``. The layers below the first active layer whose ratio reaches
     the ``percentile``-th percentile of the active layers' ratios freeze (a layer still changing a lot
     keeps itself and everything above it training, since its input must stay stable once cached).
-    The count is then bounded by the geometric schedule for the ``T``-th decision (never freeze faster
-    than the 2021 code did) and by ``max_fraction``. Means, not sums, so windows of unequal length
-    (epochs) compare fairly.
+    The count is then bounded by the run's learning-rate budget (``budget_layers``) and by ``max_fraction``
+    when set. Means, not sums, so windows of unequal length (epochs) compare fairly.
 
     The percentile is relative: it always finds a "most converged" half, even in a model whose layers
     are all still moving (training from scratch). ``max_change`` adds an absolute test: a layer whose
@@ -342,19 +427,8 @@ class GradientPolicy(FreezePolicy):
 
     name = "gradient"
 
-    def __init__(
-        self,
-        num_layers: int,
-        *,
-        interval: int,
-        interval_unit: str,
-        max_fraction: float,
-        alpha: float,
-        percentile: float,
-        max_change: float | None = None,
-    ) -> None:
-        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
-        self.alpha = alpha
+    def __init__(self, num_layers: int, *, percentile: float, max_change: float | None, **common: Any) -> None:
+        super().__init__(num_layers, **common)
         self.percentile = percentile
         self.max_change = max_change
         self.decisions = 0
@@ -392,13 +466,14 @@ class GradientPolicy(FreezePolicy):
         if self.max_change is not None:
             threshold = min(threshold, self.max_change)
         candidate = next((i for i in active if ratios[i] >= threshold), active[0])
-        bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
+        bound = self.budget()
         details = {
             "decision_index": self.decisions,
             "ratios": [ratios.get(i) for i in range(self.num_layers)],
             "threshold": threshold,
             "candidate": candidate,
             "bound": bound,
+            "spent": self.spent_share(),
             "cap": self.max_frozen,
         }
         return self._bounded_prefix(candidate, bound), details
@@ -439,9 +514,11 @@ class CoherencePolicy(FreezePolicy):
     steps, with a random head and a learning rate near zero, look like noise too), and one window's estimate is noisy.
     The layers below the first active layer that has not converged freeze (a layer still learning keeps itself and
     everything above it training, since its input must stay fixed once cached). A window without a valid dot product for
-    a layer (its previous gradient was lost, e.g. moved to another rank) counts as still learning. The geometric
-    schedule bounds the count as a safety cap, as does ``max_fraction``. ``max_advance`` (off by default) lets at most
-    that many more layers freeze per decision, so the layers above keep adapting while the next ones are tested again.
+    a layer (its previous gradient was lost, e.g. moved to another rank) counts as still learning. ``max_advance`` (1 by
+    default) lets at most that many more layers freeze per decision, so each layer freezes on its own evidence, in a
+    window of its own, while the layers above keep adapting. How deep the evidence may go is bounded by what the run
+    has left: ``budget_layers`` of the learning rate spent (the safety cap, counted in ``cap_binds``), and by
+    ``max_fraction`` when the user sets one. Every window records, per layer, why it froze or did not (``reasons``).
 
     ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
     or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
@@ -460,21 +537,9 @@ class CoherencePolicy(FreezePolicy):
 
     name = "coherence"
 
-    def __init__(
-        self,
-        num_layers: int,
-        *,
-        interval: int,
-        interval_unit: str,
-        max_fraction: float,
-        alpha: float,
-        threshold: float,
-        max_advance: int | None = None,
-        learned_by: str = LEARNED_BY[0],
-        learned_min_steps: int = 1,
-    ) -> None:
-        super().__init__(num_layers, interval=interval, interval_unit=interval_unit, max_fraction=max_fraction)
-        self.alpha = alpha
+    def __init__(self, num_layers: int, *, threshold: float, max_advance: int | None, learned_by: str,
+                 learned_min_steps: int, **common: Any) -> None:
+        super().__init__(num_layers, **common)
         self.threshold = threshold
         self.max_advance = max_advance
         self.learned_by = learned_by
@@ -537,18 +602,42 @@ class CoherencePolicy(FreezePolicy):
                                                  for value in (previous[layer], coherence[layer]))
 
         candidate = next((i for i in active if not converged(i)), self.num_layers)
-        bound = geometric_frozen_count(self.num_layers, self.alpha, self.decisions)
+        bound = self.budget()
         details = {"decision_index": self.decisions, "coherence": coherence, "previous_coherence": previous,
-                   "threshold": self.threshold,
-                   "candidate": candidate, "bound": bound, "cap": self.max_frozen}
+                   "threshold": self.threshold, "candidate": candidate, "bound": bound, "spent": self.spent_share(),
+                   "cap": self.max_frozen}
+        advance_limit = self.num_layers
         if self.max_advance is not None:
-            details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
-            candidate = min(candidate, details["advance_limit"])
-        return self._bounded_prefix(candidate, bound), details
+            advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
+        target = self._bounded_prefix(min(candidate, advance_limit), bound)
+        learned_by_now = self.learned_earlier if self.learned_by == "layer" else [any(self.learned_earlier)] * self.num_layers
+        details["reasons"] = self._reasons(target, candidate, converged, learned_by_now, coherence,
+                                           holds={HELD_BY_BUDGET: bound, HELD_BY_ADVANCE: advance_limit,
+                                                  HELD_BY_MAX_FRACTION: self.max_frozen})
+        return target, details
+
+    def _reasons(self, target: frozenset[int], candidate: int, converged: Any, learned_by_now: list[bool],
+                 coherence: list[float | None], holds: dict[str, int]) -> list[str]:
+        """Why each layer is frozen or not after this window, one code per layer (``REASONS``)."""
+        reasons = []
+        for layer in range(self.num_layers):
+            if layer in self.frozen:
+                reasons.append(FROZEN_BEFORE)
+            elif layer in target:
+                reasons.append(FREEZES)
+            elif layer < candidate:  # converged, held back by the first bound it exceeds
+                reasons.append(next(code for code, limit in holds.items() if layer >= limit))
+            elif converged(layer):
+                reasons.append(ABOVE_LEARNING)
+            elif coherence[layer] is None or not coherence[layer] < self.threshold:  # type: ignore[operator]
+                reasons.append(LEARNING)
+            else:
+                reasons.append(ONE_WINDOW_BELOW if learned_by_now[layer] else NOT_LEARNED)
+        return reasons
 
     def outcome(self) -> str:
         """Why nothing froze, in the test's terms: the bottom layer must converge first (freezing is a prefix)."""
-        if self.frozen or self.max_frozen == 0:
+        if len(self.frozen) > self.prior_layers or self.max_frozen <= self.prior_layers:
             return super().outcome()
         if self.interval_unit == "steps":
             window_steps = self.interval
@@ -628,21 +717,25 @@ def make_policy(
     *,
     interval: int,
     interval_unit: str,
-    alpha: float,
-    percentile: float,
-    max_fraction: float,
-    schedule: Sequence[Sequence[int]] | None = None,
-    max_change: float | None = None,
-    threshold: float = 0.1,
-    max_advance: int | None = None,
-    learned_by: str = LEARNED_BY[0],
-    learned_min_steps: int = 1,
     seed: int,
+    alpha: float = FreezeConfig.alpha,
+    percentile: float = FreezeConfig.percentile,
+    max_fraction: float | None = FreezeConfig.max_fraction,
+    schedule: Sequence[Sequence[int]] | None = None,
+    max_change: float | None = FreezeConfig.max_change,
+    threshold: float = FreezeConfig.threshold,
+    max_advance: int | None = FreezeConfig.max_advance,
+    learned_by: str = FreezeConfig.learned_by,
+    learned_min_steps: int = FreezeConfig.learned_min_steps,
+    prior_layers: int = 0,
+    spent: Sequence[float] | None = None,
 ) -> FreezePolicy:
     """Build a policy by its config name, checking every argument with an error that says what to set.
 
-    ``interval`` counts steps or epochs here: a ``fraction`` of the run is turned into steps by
-    :func:`window_steps` first (``policy_from_settings`` does).
+    The defaults are ``FreezeConfig``'s (its fields own them). ``interval`` counts steps or epochs here: a
+    ``fraction`` of the run is turned into steps by :func:`window_steps` first (``policy_from_settings`` does).
+    ``prior_layers`` start frozen; ``spent`` (:func:`spent_shares` of the run's learning rates) bounds the
+    evidence policies, which without it are bounded only by ``max_fraction``.
     """
     if name not in POLICY_NAMES:
         raise ValueError(f"unknown freeze policy {name!r}: set freeze.policy to one of {', '.join(POLICY_NAMES)}")
@@ -653,30 +746,20 @@ def make_policy(
     if interval_unit not in INTERVAL_UNITS[:2]:
         raise ValueError(f"freeze.interval_unit must be one of {', '.join(INTERVAL_UNITS[:2])} here (turn a fraction "
                          f"into steps with window_steps first), got {interval_unit!r}")
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"freeze.alpha must be in (0, 1], got {alpha}")
-    if not 0.0 <= percentile <= _PERCENT:
-        raise ValueError(f"freeze.percentile must be in [0, 100], got {percentile}")
-    if not 0.0 <= max_fraction <= 1.0:
-        raise ValueError(f"freeze.max_fraction must be in [0, 1], got {max_fraction}")
-    if max_change is not None and max_change <= 0.0:
-        raise ValueError(f"freeze.max_change must be > 0 (or null), got {max_change}")
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"freeze.threshold must be in (0, 1), got {threshold}")
-    if max_advance is not None and max_advance < 1:
-        raise ValueError(f"freeze.max_advance must be >= 1 (or null), got {max_advance}")
-    if learned_by not in LEARNED_BY:
-        raise ValueError(f"freeze.learned_by must be one of {', '.join(LEARNED_BY)}, got {learned_by!r}")
-    if learned_min_steps < 1:
-        raise ValueError(f"freeze.learned_min_steps must be >= 1, got {learned_min_steps}")
+    check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction, max_change=max_change,
+                        threshold=threshold, max_advance=max_advance, learned_by=learned_by,
+                        learned_min_steps=learned_min_steps)
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
-    common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction}
+    if not 0 <= prior_layers < num_layers:
+        raise ValueError(f"prior_layers must be in 0..{num_layers - 1}, got {prior_layers}")
+    common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction,
+                              "prior_layers": prior_layers, "spent": spent}
     if name == "coherence":
-        return CoherencePolicy(num_layers, alpha=alpha, threshold=threshold, max_advance=max_advance,
+        return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance,
                                 learned_by=learned_by, learned_min_steps=learned_min_steps, **common)
     if name == "gradient":
-        return GradientPolicy(num_layers, alpha=alpha, percentile=percentile, max_change=max_change, **common)
+        return GradientPolicy(num_layers, percentile=percentile, max_change=max_change, **common)
     if name == "geometric":
         return GeometricPolicy(num_layers, alpha=alpha, **common)
     if name == "random":
@@ -694,12 +777,15 @@ def window_steps(fraction: float, total_steps: int, min_steps: int) -> int:
     return max(min_steps, round(fraction * total_steps), 1)
 
 
-def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_steps: int,
-                         enabled: bool = True) -> FreezePolicy:
-    """``make_policy`` from the ``freeze`` section of a config (any object with its fields).
+def policy_from_settings(settings: FreezeConfig, num_layers: int, *, seed: int, total_steps: int,
+                         enabled: bool = True, prior_layers: int = 0,
+                         learning_rates: Sequence[float] | None = None) -> FreezePolicy:
+    """``make_policy`` from the ``freeze`` section of a config.
 
     ``total_steps`` (the run's planned optimizer steps) turns ``interval_unit: fraction`` into a window in
-    steps. ``enabled=False`` gives the ``none`` policy, so a run without AutoFreeze still counts steps and windows.
+    steps. ``learning_rates`` (one per step the run will take) set the evidence policies' budget; without them the
+    rate is taken as constant over ``total_steps``. ``enabled=False`` gives the ``none`` policy, so a run without
+    AutoFreeze still counts steps and windows.
     """
     name = settings.policy if enabled else "none"
     interval, unit = settings.interval, settings.interval_unit
@@ -707,9 +793,11 @@ def policy_from_settings(settings: Any, num_layers: int, *, seed: int, total_ste
         interval, unit = 1, "epochs" if unit == "epochs" else "steps"  # a schedule counts steps or epochs
     elif unit == "fraction":
         interval, unit = window_steps(interval, total_steps, settings.min_window_steps), "steps"
+    rates = learning_rates if learning_rates is not None else [1.0] * total_steps
     return make_policy(name, num_layers, interval=int(interval),
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
                        max_fraction=settings.max_fraction, schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold,
                        max_advance=settings.max_advance, learned_by=settings.learned_by,
-                       learned_min_steps=settings.learned_min_steps, seed=seed)
+                       learned_min_steps=settings.learned_min_steps, seed=seed,
+                       prior_layers=prior_layers if enabled else 0, spent=spent_shares(rates))

@@ -12,10 +12,11 @@ import json
 import logging
 from typing import Any
 
-from pipetransformer.config import Config, ConfigError
+from pipetransformer.config import UNWINDOWED, Config, ConfigError
 from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
-from pipetransformer.freeze.policies import (UNWINDOWED, FreezePolicy, frozen_blocks, frozen_prefix_layers,
-                                             policy_from_settings)
+from pipetransformer.freeze.policies import (FreezePolicy, FreezePrior, frozen_blocks, frozen_prefix_layers,
+                                             policy_from_settings, resolve_prior)
+from pipetransformer.optim import lr_at
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.control import ControlVector
 from pipetransformer.train.optimizer import HeldOptimizer
@@ -32,20 +33,27 @@ COHERENCE = "coherence"
 class AutoFreeze:
     """The freeze policy of a run and what it acts on."""
 
-    def __init__(self, policy: FreezePolicy, model: BlockSequence, *, gradient_dots: bool) -> None:
+    def __init__(self, policy: FreezePolicy, model: BlockSequence, *, gradient_dots: bool,
+                 prior: FreezePrior | None = None) -> None:
         self.policy = policy
         self.model = model
+        self.prior = prior or FreezePrior(False, 0, "no prior given")
         # g_t . g_{t-1} per layer: the coherence policy's signal (and logged for replay when every step is).
         self.previous_grads = PreviousGradients() if gradient_dots else None
+        self._apply(None)  # the prior, before the optimizer is built
 
     @classmethod
     def from_config(cls, config: Config, model: BlockSequence, *, planned_steps: int, steps_per_epoch: int,
                     warn: bool) -> AutoFreeze:
         """``freeze.*`` for a run of ``planned_steps``; with ``warn``, says once when nothing can freeze."""
         f = config.freeze
+        run_steps = min(planned_steps, config.train.max_steps or planned_steps)
         try:
+            prior = resolve_prior(f.prior, model.num_layers, pretrained=config.model.pretrained)
             policy = policy_from_settings(f, model.num_layers, seed=config.seed, total_steps=planned_steps,
-                                          enabled=f.enabled)
+                                          enabled=f.enabled, prior_layers=prior.layers,
+                                          learning_rates=[lr_at(step, planned_steps, config.train)
+                                                          for step in range(run_steps)])
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if warn and f.enabled and f.policy not in UNWINDOWED:
@@ -61,7 +69,10 @@ class AutoFreeze:
                     remedy = "shorten freeze.interval (or use interval_unit: fraction)"
                 logger.warning("freeze: the first decision needs %d steps but the run has %d, so nothing will "
                                "freeze; %s", needed, steps, remedy)
-        return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1)
+        if warn and f.enabled and prior.embeddings:
+            logger.info("freeze: %s", prior.describe())
+        return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1,
+                   prior=prior if f.enabled else FreezePrior(False, 0, "freeze.enabled: false"))
 
     @property
     def frozen(self) -> frozenset[int]:
@@ -72,9 +83,18 @@ class AutoFreeze:
         return frozen_prefix_layers(self.policy.frozen)
 
     def prefix_blocks(self) -> int:
-        """Leading frozen blocks: the embeddings freeze with layer 0."""
+        """Leading frozen blocks: the embeddings freeze with layer 0, or alone by the prior."""
         layers = self.prefix_layers()
-        return layers + 1 if layers > 0 else 0
+        return layers + 1 if layers > 0 or self.prior.embeddings else 0
+
+    def _apply(self, optimizer: HeldOptimizer | None) -> None:
+        """Freeze the blocks of the policy's frozen layers and the prior's embeddings in the model (and out of
+        ``optimizer``)."""
+        blocks = set(frozen_blocks(self.policy.frozen, self.model.num_layers))
+        if self.prior.embeddings:
+            blocks.add(0)
+        if blocks:
+            freeze_blocks(self.model, blocks, optimizer.optimizer if optimizer is not None else None)
 
     def observe(self, control: ControlVector) -> tuple[list[float], list[float | None] | None]:
         """Feed one step's all-reduced statistics to the policy; returns them (norms, dot products) for the record."""
@@ -89,7 +109,7 @@ class AutoFreeze:
         decision = self.policy.decide(step, epoch, epoch_end=epoch_end)
         if decision is None:
             return None
-        freeze_blocks(self.model, frozen_blocks(decision.frozen, self.model.num_layers), optimizer.optimizer)
+        self._apply(optimizer)
         return {"step": step, "epoch": epoch, "frozen": sorted(decision.frozen),
                 **{k: v for k, v in decision.details.items() if _jsonable(v)}}
 
@@ -105,8 +125,7 @@ class AutoFreeze:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The policy's counters and frozen set, applied to the model (its optimizer is built afterwards)."""
         self.policy.load_state_dict(state)
-        if self.policy.frozen:
-            freeze_blocks(self.model, frozen_blocks(self.policy.frozen, self.model.num_layers), None)
+        self._apply(None)
 
 
 def _jsonable(value: Any) -> bool:

@@ -234,6 +234,7 @@ class Trainer:
             summary["interrupted"] = interrupted
         if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
             summary["freeze_outcome"] = self.freezer.policy.outcome()
+            summary["freeze_prior"] = self.freezer.prior.describe()
             if self.env.is_main:
                 logger.info("freeze: %s", summary["freeze_outcome"])
         best = self.checkpointer.best()

@@ -1,0 +1,384 @@
+"""AutoFreeze's frontier: speed against test accuracy, per task, for the default, fixed freezes and plain training.
+
+One command each (one task per launch; a launch adds its seeds to the task's runs directory, so long tasks are run
+a few seeds at a time and every launch's runs are read together)::
+
+    .venv/bin/python benchmarks/freeze_frontier/main.py --quick                      # < 20 min: the machinery, 1 seed
+    .venv/bin/python benchmarks/freeze_frontier/main.py --task rotten_tomatoes       # a short task, all its seeds
+    .venv/bin/python benchmarks/freeze_frontier/main.py --task rt_full --seeds 0 1   # a long task, two seeds
+    .venv/bin/python benchmarks/freeze_frontier/main.py --report --split validation  # tables and figures, no test
+    .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test        # once the default is fixed
+
+Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
+cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
+and the bottom k layers frozen from the first step, cached); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
+(the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``).
+
+Every task reads fresh test rows: ``data.split_seed`` is ``FRESH_SPLIT_SEED`` (registered in this folder's README
+before any run of the current default), so its validation and test rows differ from the rows the freeze_transfer
+runs read (split_seed 0). Fashion-MNIST's own test files (t10k) were read there and no seed changes them, so the
+image tasks hold their test rows out of the training files (``fmnist_folder``: the Debian training files alone, the
+test split a seeded 10% of them). Settings are chosen on validation (``--split validation``, the default of
+``--report``); ``--split test`` is for the one reading after the default is fixed, and the README says how many
+times each split was read.
+
+Accuracy differences are paired with the faster plain baseline (same seed, same rows); their standard error
+combines the spread over seeds and the test set's own sampling error, paired by row (``combined_se``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipetransformer.metrics import TEST_SAMPLES_FILE
+from pipetransformer.report import paired_test_difference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import (  # noqa: E402 - the shared helper lives one folder up
+    CONFIG_DIR,
+    REPO_ROOT,
+    TASKS,
+    Member,
+    RunResult,
+    ensure_backbone,
+    finished_run,
+    fmt,
+    machine_info,
+    markdown_table,
+    run_training,
+    write_results,
+)
+from freeze_transfer.main import debates_path  # noqa: E402
+
+__all__ = ["ARMS", "FRONTIER_TASKS", "combined_se", "main", "summarize"]
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_frontier"
+PERCENT = 100.0
+FRESH_SPLIT_SEED = 52
+"""Registered 2026-11-27 (issue 52), before any run of the embeddings-prior default read a test number."""
+ACCURACY_BOUND_POINTS = 0.5
+"""The default's paired test difference from the faster plain baseline must be at least -0.5 points."""
+SPEED_SHARE_OF_BEST_FIXED = 0.97
+"""... and it must run at least 0.97x as fast as the fastest fixed freeze that meets the same bound."""
+TARGETS = {"rt_full": 2.0, "fmnist_full": 1.5}
+SHORT_TARGET = 1.3
+Z_95 = 1.96
+PLAIN = ("ddp", "single")
+FIXED_DEPTHS = (1, 2, 3, 4)
+GEOMETRIC_ALPHA = 1 / 3
+GEOMETRIC_MAX_FRACTION = 0.84
+DEEP_DEPTH = 12
+DEEP_BACKBONE = "pretrained/vit_fashion_12.pt"
+DEEP_PRETRAIN_EPOCHS = 10
+"""The 12-layer ViT's masked-patch pretraining, as the 6-layer backbone's (``common.TASKS['vit']``)."""
+NO_BUDGET = "pipe.device_memory_gb=null"
+"""The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
+VALIDATION, TEST = "validation", "test"
+SUMMARY_KEY = {VALIDATION: "eval_accuracy", TEST: "test_accuracy"}
+"""The final model's accuracy on each split."""
+
+ARMS: dict[str, Member] = {
+    "ddp": Member("ddp"),
+    "single": Member("ddp", nproc=1),
+    "embed": Member("all", (NO_BUDGET, "freeze.policy=none", "freeze.prior=embeddings")),
+    **{f"fixed{k}": Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
+                                   f"freeze.schedule=[[0,{k}]]")) for k in FIXED_DEPTHS},
+    "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
+                                 f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=none")),
+    "default": Member("all", (NO_BUDGET,)),
+}
+QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
+
+
+@dataclass(frozen=True)
+class FrontierTask:
+    """A config family (``configs/<prefix>_<member>.yaml``), the data every arm shares, and the seeds to run."""
+
+    name: str
+    prefix: str
+    data: tuple[str, ...]
+    seeds: int
+    long: bool = False
+    backbone_task: str | None = None  # TASKS entry whose pretrained backbone the family fine-tunes
+    deep: bool = False  # the 12-layer ViT on its own backbone (``ensure_deep_backbone``)
+
+    def config(self, member: str) -> Path:
+        return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
+
+
+def fmnist_folder(runs_dir: Path) -> str:
+    """A folder holding only the Debian Fashion-MNIST training files (links), so ``image_folder`` carves its test
+    split from them with ``data.split_seed`` instead of reading t10k, whose rows earlier runs read."""
+    source = Path("/usr/share/datasets/fashion-mnist")
+    folder = runs_dir / "fashion_mnist_train_only"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+        if not (source / name).is_file():
+            raise SystemExit(f"error: {source / name} is missing: run bash scripts/setup.sh")
+        link = folder / name
+        if not link.exists():
+            link.symlink_to(source / name)
+    return str(folder)
+
+
+def ensure_deep_backbone(runs_dir: Path) -> None:
+    """Pretrain the 12-layer ViT backbone with ``pipetransformer pretrain`` unless it exists (~30 min on 2 cores)."""
+    if (REPO_ROOT / DEEP_BACKBONE).is_file():
+        return
+    command = [sys.executable, "-m", "pipetransformer.cli", "pretrain", str(CONFIG_DIR / "vit_fashion.yaml"),
+               "--out", DEEP_BACKBONE, "--epochs", str(DEEP_PRETRAIN_EPOCHS), "--set", f"model.vit.depth={DEEP_DEPTH}"]
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with (runs_dir / "pretrain-deep.log").open("w") as log:
+        if subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=False).returncode:
+            raise SystemExit(f"error: pretraining the 12-layer backbone failed; see {runs_dir / 'pretrain-deep.log'}")
+
+
+def frontier_tasks(runs_dir: Path) -> dict[str, FrontierTask]:
+    fresh = f"data.split_seed={FRESH_SPLIT_SEED}"
+    epochs = ("train.epochs=3", "train.eval_every_steps=null")
+    debates = ("data.name=text_csv", f"data.path={debates_path()}", "data.text_column=statement",
+               "data.label_column=party")
+    images = ("data.name=image_folder", f"data.path={fmnist_folder(runs_dir)}")
+    return {
+        "quick": FrontierTask("quick", "text_minilm", (fresh, "data.max_train_samples=500",
+                                                       "data.max_eval_samples=300", "data.max_test_samples=300",
+                                                       "train.epochs=2", "train.eval_every_steps=null"), seeds=1),
+        "rotten_tomatoes": FrontierTask("rotten_tomatoes", "text_minilm",
+                                        (fresh, "data.max_train_samples=2000", "data.max_eval_samples=600", *epochs),
+                                        seeds=3),
+        "debates": FrontierTask("debates", "text_minilm", (fresh, *debates, *epochs), seeds=5),
+        "fashion_mnist": FrontierTask("fashion_mnist", "vit_fashion",
+                                      (fresh, *images, "data.max_train_samples=24000", "data.max_eval_samples=3000",
+                                       "train.epochs=3"), seeds=3, backbone_task="vit"),
+        # as long as users' fine-tunes: the whole Rotten Tomatoes training split (~957 steps) and 48,600 images x 3
+        "rt_full": FrontierTask("rt_full", "text_minilm", (fresh, "data.max_eval_samples=1000", *epochs), seeds=5,
+                                long=True),
+        "fmnist_full": FrontierTask("fmnist_full", "vit_fashion", (fresh, *images, "data.max_eval_samples=3000",
+                                                                   "train.epochs=3"),
+                                    seeds=5, long=True, backbone_task="vit"),
+        # a deeper model: no 12-layer pretrained text encoder ships offline, so the built-in ViT at depth 12
+        "vit12": FrontierTask("vit12", "vit_fashion", (fresh, *images, f"model.vit.depth={DEEP_DEPTH}",
+                                                       f"model.path={DEEP_BACKBONE}", "data.max_train_samples=24000",
+                                                       "data.max_eval_samples=3000", "train.epochs=3"),
+                              seeds=5, long=True, deep=True),
+    }
+
+
+FRONTIER_TASKS = ("quick", "rotten_tomatoes", "debates", "fashion_mnist", "rt_full", "fmnist_full", "vit12")
+
+
+def combined_se(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Mean paired difference and its standard error: the seeds' spread and the test set's own sampling error
+    (paired by row, ``report.paired_test_difference``) combined as a root sum of squares. Conservative: the
+    seed-by-row interaction counts in both."""
+    difference, row_se = paired_test_difference(runs, baselines)
+    per_seed = [statistics.fmean(run) - statistics.fmean(base) for run, base in zip(runs, baselines)]
+    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+    return difference, math.hypot(seed_se, row_se or 0.0)
+
+
+def _per_sample(run: RunResult, split: str) -> list[float] | None:
+    """Each row's correctness of the run's final model on the split (test: from ``test_samples.json``; validation:
+    only the accuracy is recorded, so the row term is left out there)."""
+    if split != TEST:
+        return None
+    path = Path(run.run_dir) / TEST_SAMPLES_FILE
+    return [float(v) for v in json.loads(path.read_text())["final"]] if path.is_file() else None
+
+
+def _freeze_story(summary: dict[str, Any]) -> tuple[int, str]:
+    """Layers frozen at the end, and ``k@step (share)`` for every decision."""
+    steps = summary.get("steps") or 1
+    decisions = summary.get("freeze_decisions") or []
+    story = ", ".join(f"{len(d['frozen'])}@{d['step']} ({d['step'] / steps:.0%})" for d in decisions) or "none"
+    return (len(decisions[-1]["frozen"]) if decisions else 0), story
+
+
+def summarize(runs: dict[str, dict[int, RunResult]], split: str) -> dict[str, dict[str, Any]]:
+    """Per arm over the seeds every plain baseline also finished: speed against the faster plain baseline (median
+    wall time, per-seed range) and the paired accuracy difference with its combined SE."""
+    walls = {name: statistics.median(r.summary["wall_time_s"] for r in by_seed.values())
+             for name, by_seed in runs.items() if by_seed}
+    plain = [name for name in PLAIN if name in walls]
+    if not plain:
+        return {}
+    baseline = min(plain, key=walls.__getitem__)
+    key = SUMMARY_KEY[split]
+    table: dict[str, dict[str, Any]] = {}
+    for name, by_seed in runs.items():
+        seeds = sorted(s for s in by_seed if s in runs[baseline])
+        if not seeds:
+            continue
+        ratios = [runs[baseline][s].summary["wall_time_s"] / by_seed[s].summary["wall_time_s"] for s in seeds]
+        rows = [_per_sample(by_seed[s], split) for s in seeds]
+        base_rows = [_per_sample(runs[baseline][s], split) for s in seeds]
+        if all(r is not None for r in (*rows, *base_rows)):
+            difference, se = combined_se(rows, base_rows)  # type: ignore[arg-type]
+        else:
+            per_seed = [by_seed[s].summary[key] - runs[baseline][s].summary[key] for s in seeds]
+            difference = statistics.fmean(per_seed)
+            se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+        frozen = [_freeze_story(by_seed[s].summary) for s in seeds]
+        table[name] = {
+            "seeds": seeds, "baseline": baseline, "accuracy": statistics.fmean(by_seed[s].summary[key] for s in seeds),
+            "difference": difference, "se": se, "speedup": walls[baseline] / walls[name],
+            "speedup_range": (min(ratios), max(ratios)), "wall_s": walls[name],
+            "frozen_at_end": [count for count, _ in frozen], "freezes": [story for _, story in frozen],
+            "acted": sum(1 for s in seeds if by_seed[s].summary.get("freeze_decisions")),
+            "cap_binds": [int(by_seed[s].summary.get("freeze_cap_binds") or 0) for s in seeds],
+            "load": statistics.median(r.load_mean for r in by_seed.values() if r.load_mean is not None)
+            if any(r.load_mean is not None for r in by_seed.values()) else None,
+        }
+    return table
+
+
+def verdicts(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's conditions for the default on this task, as measured."""
+    row = table.get("default")
+    if row is None:
+        return ["- `default` did not finish: nothing to check."]
+    bound = -ACCURACY_BOUND_POINTS / PERCENT
+
+    def meets(entry: dict[str, Any]) -> bool:
+        return entry["difference"] >= bound
+
+    lines = [f"- accuracy: default {row['difference'] * PERCENT:+.2f} ± {row['se'] * PERCENT:.2f} points against "
+             f"`{row['baseline']}` (bound >= -{ACCURACY_BOUND_POINTS}): {'met' if meets(row) else 'MISSED'}"]
+    fixed = {name: entry for name, entry in table.items() if name.startswith("fixed") or name == "embed"}
+    passing = {name: entry for name, entry in fixed.items() if meets(entry)}
+    if passing:
+        best = max(passing, key=lambda name: passing[name]["speedup"])
+        share = row["speedup"] / passing[best]["speedup"]
+        lines.append(f"- speed: default {row['speedup']:.2f}x, the fastest fixed freeze within the bound `{best}` "
+                     f"{passing[best]['speedup']:.2f}x: {share:.2f} of it (needs >= {SPEED_SHARE_OF_BEST_FIXED}): "
+                     f"{'met' if share >= SPEED_SHARE_OF_BEST_FIXED else 'MISSED'}")
+    else:
+        lines.append("- speed: no fixed freeze meets the accuracy bound: nothing to be as fast as")
+    target = TARGETS.get(task, SHORT_TARGET)
+    lines.append(f"- target: {row['speedup']:.2f}x the faster plain baseline (target >= {target}x): "
+                 f"{'met' if row['speedup'] >= target else 'MISSED'}")
+    lines.append(f"- the default acted (froze a layer) in {row['acted']} of {len(row['seeds'])} runs; the budget held "
+                 f"converged layers back in {sum(row['cap_binds'])} windows")
+    return lines
+
+
+def _task_markdown(task: FrontierTask, table: dict[str, dict[str, Any]], split: str) -> str:
+    header = ["arm", "seeds", f"{split} acc %", "vs faster plain, paired (± SE)", "95% interval",
+              "speed-up (median)", "per-seed range", "layers frozen at end", "load"]
+    rows = [[f"`{name}`", len(r["seeds"]), fmt(r["accuracy"] * PERCENT), f"{r['difference'] * PERCENT:+.2f} ± "
+             f"{r['se'] * PERCENT:.2f}", f"{(r['difference'] - Z_95 * r['se']) * PERCENT:+.2f} to "
+             f"{(r['difference'] + Z_95 * r['se']) * PERCENT:+.2f}", fmt(r["speedup"], 2, "x"),
+             f"{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}", ",".join(map(str, r["frozen_at_end"])),
+             fmt(r["load"], 2)] for name, r in table.items()]
+    freezes = [[f"`{name}`", seed, story] for name, r in table.items() for seed, story in zip(r["seeds"], r["freezes"])
+               if name in ("default", "geometric")]
+    return "\n".join([f"### {task.name} (`configs/{task.prefix}_*.yaml`)", "", f"Shared overrides: `{' '.join(task.data)}`",
+                      "", markdown_table(header, rows), "", *verdicts(task.name, table), "",
+                      markdown_table(["arm", "seed", "frozen layers @ step (share of the run)"], freezes), ""])
+
+
+def _figure(task: str, table: dict[str, dict[str, Any]], split: str, out: Path) -> None:
+    """Speed-up against the paired accuracy difference, one point per arm, 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.4))
+    for name, row in table.items():
+        low, high = row["speedup_range"]
+        axes.errorbar(row["speedup"], row["difference"] * PERCENT, yerr=Z_95 * row["se"] * PERCENT,
+                      xerr=[[row["speedup"] - low], [high - row["speedup"]]], fmt="o", capsize=3,
+                      color="tab:red" if name == "default" else "tab:blue" if name in PLAIN else "tab:gray")
+        axes.annotate(name, (row["speedup"], row["difference"] * PERCENT), textcoords="offset points", xytext=(4, 4))
+    axes.axhline(-ACCURACY_BOUND_POINTS, linestyle="--", color="tab:orange", linewidth=1)
+    axes.set_xlabel("speed-up over the faster plain baseline (median; bar: per-seed range)")
+    axes.set_ylabel(f"{split} accuracy vs faster plain, points (95%)")
+    axes.set_title(f"AutoFreeze frontier: {task}")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def _collect(task: FrontierTask, runs_dir: Path) -> dict[str, dict[int, RunResult]]:
+    """Every finished run of the task's arms in its runs directory, whichever launch made it."""
+    found: dict[str, dict[int, RunResult]] = {}
+    for name in ARMS:
+        for seed in range(max(task.seeds, 16)):
+            result = finished_run(name, seed, runs_dir / task.name)
+            if result is not None:
+                found.setdefault(name, {})[seed] = result
+    return found
+
+
+def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir: Path) -> None:
+    if task.backbone_task is not None:
+        ensure_backbone(TASKS[task.backbone_task], runs_dir)
+    if task.deep:
+        ensure_deep_backbone(runs_dir)
+    for position, seed in enumerate(seeds):
+        shift = position % len(arms)
+        for name in [*arms[shift:], *arms[:shift]]:  # rotated per seed: a slow phase hits no arm always
+            if finished_run(name, seed, runs_dir / task.name) is not None:
+                continue
+            member = ARMS[name]
+            run_training(name, task.config(member.family_member), seed, runs_dir / task.name,
+                         [*task.data, f"seed={seed}", *member.overrides], nproc=member.nproc)
+
+
+def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str) -> str:
+    sections, payload = [], {"split": split, "machine": machine_info(), "tasks": {}}
+    RESULTS.mkdir(exist_ok=True)
+    for name in names:
+        table = summarize(_collect(tasks[name], runs_dir), split)
+        if not table:
+            continue
+        payload["tasks"][name] = table
+        _figure(name, table, split, RESULTS / f"frontier-{name}-{split}.png")
+        sections.append(_task_markdown(tasks[name], table, split))
+    markdown = "\n".join([f"# AutoFreeze frontier ({split} split)", "",
+                          f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py --report --split {split}`", "",
+                          "Machine: " + ", ".join(f"{k} {v}" for k, v in payload["machine"].items()), "", *sections])
+    write_results(RESULTS, f"frontier-{split}", markdown, payload)
+    return markdown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the machinery on a small text task, one seed")
+    parser.add_argument("--task", choices=FRONTIER_TASKS[1:], help="run this task's arms (one task per launch)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="these seeds (default: all of the task's)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="only these arms (default: all)")
+    parser.add_argument("--report", action="store_true", help="tables and figures from the finished runs only")
+    parser.add_argument("--split", choices=(VALIDATION, TEST), default=VALIDATION,
+                        help="which split the report reads (settings are chosen on validation)")
+    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
+    args = parser.parse_args(argv)
+    tasks = frontier_tasks(args.runs_dir)
+    if args.quick:
+        _run(tasks["quick"], [0], args.arms or QUICK_ARMS, args.runs_dir)
+        print(_report(tasks, ["quick"], args.runs_dir, args.split))
+        return 0
+    if args.task:
+        task = tasks[args.task]
+        _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), args.runs_dir)
+    if args.report or args.task:
+        print(_report(tasks, [name for name in FRONTIER_TASKS[1:]], args.runs_dir, args.split))
+        return 0
+    parser.print_usage()
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

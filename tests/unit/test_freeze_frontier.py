@@ -1,0 +1,61 @@
+"""The frontier benchmark's arithmetic on made-up runs: the baseline it pairs with, the combined error, the verdicts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmark_scripts import load_benchmark
+from pipetransformer.metrics import TEST_SAMPLES_FILE
+
+frontier = load_benchmark("freeze_frontier")
+RunResult = frontier.RunResult
+
+
+def _run(tmp_path: Path, name: str, seed: int, wall: float, rows: list[int], *, frozen: int = 0) -> RunResult:
+    run_dir = tmp_path / f"{name}-{seed}"
+    run_dir.mkdir()
+    (run_dir / TEST_SAMPLES_FILE).write_text(json.dumps({"final": rows}))
+    decisions = [{"step": 10, "frozen": list(range(frozen))}] if frozen else []
+    summary = {"wall_time_s": wall, "test_accuracy": sum(rows) / len(rows), "eval_accuracy": 0.5, "steps": 40,
+               "freeze_decisions": decisions, "freeze_cap_binds": 1 if frozen else 0}
+    return RunResult(name, "c.yaml", seed, str(run_dir), 0, wall, 1.0, 1.2, summary)
+
+
+def test_combined_error_adds_the_seeds_spread_to_the_test_sets_own() -> None:
+    runs = [[1, 1, 0, 1], [1, 0, 0, 1]]
+    baselines = [[1, 1, 1, 1], [1, 1, 0, 1]]
+    difference, se = frontier.combined_se(runs, baselines)
+    assert difference == pytest.approx(-0.25)
+    per_row = [0.0, -0.5, -0.5, 0.0]  # per row, averaged over the seeds
+    row_se = math.sqrt(sum((d + 0.25) ** 2 for d in per_row) / 3) / 2
+    seed_se = math.sqrt(((-0.25 + 0.25) ** 2 + (-0.25 + 0.25) ** 2) / 1) / math.sqrt(2)
+    assert se == pytest.approx(math.hypot(seed_se, row_se))
+
+
+def test_pairs_with_the_faster_plain_baseline_and_checks_the_issues_conditions(tmp_path: Path) -> None:
+    correct, one_wrong = [1] * 200, [0] + [1] * 199
+    runs = {
+        "ddp": {s: _run(tmp_path, "ddp", s, 100.0, correct) for s in (0, 1)},
+        "single": {s: _run(tmp_path, "single", s, 90.0, correct) for s in (0, 1)},  # the faster plain baseline
+        "fixed2": {s: _run(tmp_path, "fixed2", s, 60.0, one_wrong, frozen=2) for s in (0, 1)},
+        "fixed3": {s: _run(tmp_path, "fixed3", s, 45.0, [0] * 4 + [1] * 196, frozen=3) for s in (0, 1)},
+        "default": {s: _run(tmp_path, "default", s, 61.0, correct, frozen=3) for s in (0, 1)},
+    }
+    table = frontier.summarize(runs, "test")
+    assert {row["baseline"] for row in table.values()} == {"single"}
+    assert table["fixed2"]["difference"] == pytest.approx(-0.005)
+    assert table["fixed2"]["speedup"] == pytest.approx(1.5)
+    lines = frontier.verdicts("rotten_tomatoes", table)
+    assert "met" in lines[0] and "MISSED" not in lines[0]
+    # fixed3 (-2 points) misses the bound, so the default is held to fixed2's speed: 90/61 over 90/60 = 0.98
+    assert "`fixed2`" in lines[1] and "0.98 of it" in lines[1] and lines[1].endswith("met")
+    assert "1.48x" in lines[2] and lines[2].endswith("met")  # the short tasks' 1.3x target
+    assert "acted (froze a layer) in 2 of 2 runs" in lines[3]
+    slower = dict(runs, default={s: _run(tmp_path, "default-slow", s, 70.0, correct, frozen=1) for s in (0, 1)})
+    assert frontier.verdicts("rotten_tomatoes", frontier.summarize(slower, "test"))[1].endswith("MISSED")
+    worse = dict(runs, default={s: _run(tmp_path, "default-worse", s, 61.0, [0] * 2 + [1] * 198) for s in (0, 1)})
+    assert "MISSED" in frontier.verdicts("rt_full", frontier.summarize(worse, "test"))[0]
