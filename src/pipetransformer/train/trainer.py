@@ -257,8 +257,8 @@ class Trainer:
         return record
 
     def _total_samples(self) -> int:
-        """The learning-rate schedule's and the progress bar's length, in samples: steps are not known in advance
-        when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
+        """The learning-rate schedule's length, in samples: steps are not known in advance when the global batch
+        grows with the width (keep_per_pipeline). max_steps only stops a run (and shortens the bar)."""
         return len(self.train_set) * self.config.train.epochs
 
     def _bar_samples(self) -> int:
