@@ -296,3 +296,11 @@ def test_every_vit_setting_is_documented() -> None:
     """``VIT_SETTINGS`` is the config reference's list of ``model.vit.*`` keys: exactly build_vit's arguments."""
     arguments = set(inspect.signature(build_vit).parameters) - {"num_classes"}
     assert set(VIT_SETTINGS) == arguments
+
+
+def test_loading_pretrained_weights_prints_no_progress_bar(capfd: pytest.CaptureFixture[str]) -> None:
+    """Every process of a launch loads the weights: transformers' "Loading weights" bar would print once each."""
+    from pipetransformer.models.hf import load_hf_encoder
+
+    load_hf_encoder(path=minilm_path())
+    assert "Loading weights" not in capfd.readouterr().err
