@@ -61,3 +61,22 @@ def test_class_folder_mistakes_name_the_folder(tmp_path: Path) -> None:
         load_image_folder(tmp_path, image_shape=(3, SIDE, SIDE))
     with pytest.raises(ValueError, match="model.vit.in_channels to 1 or 3"):
         load_image_folder(tmp_path, image_shape=(2, SIDE, SIDE))
+
+
+def test_data_and_model_are_checked_together(tmp_path: Path) -> None:
+    """One class folder cannot train a classifier; images of another shape than the ViT's name the keys to set."""
+    from pipetransformer.config import ConfigError, load_config
+    from pipetransformer.train.build import build_blocks, check_data_fits_model, read_splits
+
+    root = Path(__file__).resolve().parents[2]
+    for index in range(4):
+        write_image(tmp_path / "only" / f"{index}.png", 40 * index)
+    config = load_config(root / "configs" / "tiny_vit.yaml", ["data.name=image_folder", f"data.path={tmp_path}"])
+    train = read_splits(config).train
+    model = build_blocks(config, train.num_classes, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="has 1 class \\(only\\); a classifier needs at least 2"):
+        check_data_fits_model(config, model, train)
+    digits = load_config(root / "configs" / "tiny_vit.yaml", ["model.vit.in_channels=3"])
+    train = read_splits(digits).train
+    with pytest.raises(ConfigError, match="images are 1x8x8 .* model takes 3x8x8: set model.vit.in_channels: 1"):
+        check_data_fits_model(digits, build_blocks(digits, train.num_classes, torch.device("cpu")), train)
