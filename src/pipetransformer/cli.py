@@ -35,6 +35,9 @@ EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 """What a shell reports for a command stopped by Ctrl-C (130), also after the checkpoint at the interrupt."""
+STOPPED_HARD = "stopped by a second Ctrl-C: --resume continues from the newest checkpoint written before it"
+INTERRUPTED_OUTSIDE_TRAINING = ("interrupted before the first training step or after the last: no checkpoint was "
+                                "written at the interrupt")
 LOOPBACK = "127.0.0.1"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
@@ -219,11 +222,6 @@ def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int, 
             signal.signal(signal.SIGINT, previous)
             del os.environ[ERROR_DIR_ENV]
     return _report_interruption(_read_interruption(run_dir), args, run_dir)
-
-
-STOPPED_HARD = "stopped by a second Ctrl-C: --resume continues from the newest checkpoint written before it"
-INTERRUPTED_OUTSIDE_TRAINING = ("interrupted before the first training step or after the last: no checkpoint was "
-                                "written at the interrupt")
 
 
 def _read_interruption(run_dir: Path) -> dict[str, object] | None:
