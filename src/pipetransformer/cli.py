@@ -1,4 +1,4 @@
-"""Command line: ``pipetransformer train | plan | report | replay | pretrain``.
+"""Command line: ``pipetransformer train | plan | report | replay | pretrain | predict | export``.
 
 One device::
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -31,6 +32,11 @@ __all__ = ["main"]
 
 EXIT_USER_ERROR = 2
 EXIT_WORKER_FAILED = 1
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""What a shell reports for a command stopped by Ctrl-C (130), also after the checkpoint at the interrupt."""
+STOPPED_HARD = "stopped by a second Ctrl-C: --resume continues from the newest checkpoint written before it"
+INTERRUPTED_OUTSIDE_TRAINING = ("interrupted before the first training step or after the last: no checkpoint was "
+                                "written at the interrupt")
 LOOPBACK = "127.0.0.1"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
@@ -38,6 +44,14 @@ ERROR_DIR_ENV = "PIPETRANSFORMER_ERROR_DIR"
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
 """Set for local workers to the threads each uses anyway; torchrun prints a banner when it sets this itself."""
 HF_CONFIG_FILE = "config.json"
+AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+"""torchrun's agent answers the signals it handles by signalling the workers and SIGKILLing them 30 s later; SIGINT
+is left out so the launcher handles Ctrl-C itself and the workers have the time their checkpoint takes."""
+WEIGHT_CHOICES = ("final", "best")
+"""``predict``/``export --weights``: model.safetensors or best-validation.safetensors of the run."""
+TORCHRUN_LOG_DIR = "torchrun"
+PID_FILE_PREFIX = "pid-rank"
+"""+ rank: each local worker writes its process id into the error directory, for the launcher to forward Ctrl-C."""
 
 
 def _under_torchrun() -> bool:
@@ -101,6 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--out", required=True, help="backbone file to write (use it as model.path)")
     pretrain.add_argument("--epochs", type=int, default=None, help="passes over the images (default: train.epochs)")
     pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    predict = commands.add_parser("predict",
+                                  help="a trained run's predictions for a CSV of texts or a folder of images")
+    predict.add_argument("run_dir", help="a run directory that training wrote (config.yaml, summary.json, weights)")
+    predict.add_argument("--input", required=True, help="a CSV with the run's data.text_column, or a folder of images")
+    predict.add_argument("--output", default=None, help="CSV to write (default: RUN_DIR/predictions.csv)")
+    predict.add_argument("--weights", choices=WEIGHT_CHOICES, default="final",
+                         help="the final weights, or those of the best validation")
+    export = commands.add_parser("export", help="a trained Hugging Face text model as a directory transformers loads")
+    export.add_argument("run_dir")
+    export.add_argument("out", help="directory to write (AutoModel.from_pretrained loads it)")
+    export.add_argument("--weights", choices=WEIGHT_CHOICES, default="final")
     return parser
 
 
@@ -140,22 +165,45 @@ def _worker_error(error_dir: Path) -> str | None:
     return messages[0].read_text().strip() if messages else None
 
 
-def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int) -> int:
+class _LauncherInterrupts:
+    """Ctrl-C at the launcher. The first is forwarded to every worker as SIGINT (a `kill -INT` reaches the launcher
+    alone; a terminal's Ctrl-C reaches the workers too, and a second copy only repeats the request): they checkpoint
+    at the next step and stop. A second stops them at once (SIGKILL), keeping only the checkpoints already written."""
+
+    def __init__(self, error_dir: Path) -> None:
+        self.error_dir, self.count = error_dir, 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        forwarded = signal.SIGINT if self.count == 1 else signal.SIGKILL
+        for pid_file in self.error_dir.glob(f"{PID_FILE_PREFIX}*"):
+            try:
+                os.kill(int(pid_file.read_text()), forwarded)
+            except (ProcessLookupError, ValueError):  # that worker has already exited, or is writing its id
+                continue
+
+
+def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int, run_dir: Path) -> int:
     """Start ``--nproc-per-node`` workers of ``threads`` torch threads each through torch.distributed.run on this
     machine (loopback only)."""
     from torch.distributed.run import get_args_parser, run
 
-    launcher_args = get_args_parser().parse_args([
-        "--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-        "--local-addr", LOOPBACK, "--module", "pipetransformer.cli", "train", args.config,
-        *[item for override in overrides for item in ("--set", override)],
-    ])
     # Workers restarted by torchrun (and agents joining later) hang in rendezvous when they share the agent's
     # TCP store; a store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) lets them join.
     os.environ.setdefault(SHARED_STORE_ENV, "1")
     os.environ.setdefault(OMP_THREADS_ENV, str(threads))
     with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
+        launcher_args = get_args_parser().parse_args([
+            "--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+            "--local-addr", LOOPBACK, "--signals-to-handle", AGENT_SIGNALS,
+            # torchrun's per-attempt folders (empty: nothing is redirected) go with this directory, not into /tmp
+            "--log-dir", str(Path(error_dir) / TORCHRUN_LOG_DIR),
+            "--module", "pipetransformer.cli", "train", args.config,
+            *[item for override in overrides for item in ("--set", override)],
+        ])
         os.environ[ERROR_DIR_ENV] = error_dir
+        interrupts = _LauncherInterrupts(Path(error_dir))
+        previous = signal.signal(signal.SIGINT, interrupts)
         try:
             run(launcher_args)
         except Exception as error:  # torch's ChildFailedError
@@ -163,11 +211,49 @@ def _launch_local(args: argparse.Namespace, overrides: list[str], threads: int) 
             if message is not None:
                 print(f"error: {message}", file=sys.stderr)
                 return EXIT_USER_ERROR
+            if interrupts.count:
+                print(f"error: {INTERRUPTED_OUTSIDE_TRAINING if interrupts.count == 1 else STOPPED_HARD}",
+                      file=sys.stderr)
+                return EXIT_INTERRUPTED
             print(f"error: {_describe_failures(error)}; the workers' messages are above", file=sys.stderr)
             return EXIT_WORKER_FAILED
         finally:
+            signal.signal(signal.SIGINT, previous)
             del os.environ[ERROR_DIR_ENV]
-    return 0
+    return _report_interruption(_read_interruption(run_dir), args, run_dir)
+
+
+def _read_interruption(run_dir: Path) -> dict[str, object] | None:
+    """The run's record of a stop by a signal (``interrupted`` in ``summary.json``), if it has one."""
+    from pipetransformer.train.recorder import SUMMARY_FILE
+
+    path = run_dir / SUMMARY_FILE
+    return json.loads(path.read_text()).get("interrupted") if path.is_file() else None
+
+
+def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run from its newest checkpoint: the same one, in its run directory."""
+    parts = ["pipetransformer", "train", args.config]
+    if args.nproc_per_node != 1:
+        parts += ["--nproc-per-node", str(args.nproc_per_node)]
+    for override in args.overrides:
+        if not override.startswith(("run.dir=", "checkpoint.resume=")):
+            parts += ["--set", override]
+    return shlex.join([*parts, "--set", f"run.dir={run_dir}", "--resume"])
+
+
+def _report_interruption(interrupted: dict[str, object] | None, args: argparse.Namespace, run_dir: Path) -> int:
+    """One line for a run stopped by Ctrl-C and :data:`EXIT_INTERRUPTED`; 0 for any other end (SIGTERM included:
+    a scheduler's stop, which a restart resumes)."""
+    if interrupted is None or interrupted.get("signal") != signal.SIGINT.name:
+        return 0
+    step = interrupted.get("step")
+    if interrupted.get("checkpoint") is None:
+        print(f"interrupted at step {step}; checkpoint.enabled is false, so there is nothing to continue from",
+              file=sys.stderr)
+    else:
+        print(f"interrupted at step {step}; continue with: {_resume_command(args, run_dir)}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _describe_failures(error: Exception) -> str:
@@ -218,15 +304,20 @@ def _train(args: argparse.Namespace) -> int:
         from pipetransformer.distributed import worker_threads
 
         _check_in_a_child_process(config, args.nproc_per_node)
-        return _launch_local(args, overrides, worker_threads(config.dist, args.nproc_per_node))
+        run_dir = Path(load_config(args.config, overrides).run.dir or "")
+        return _launch_local(args, overrides, worker_threads(config.dist, args.nproc_per_node), run_dir)
     from pipetransformer.train import train
     config = load_config(args.config, overrides)
     summary = train(config)
-    if int(os.environ.get("RANK", "0")) == 0:
-        shown = ("eval_accuracy", "best_eval_accuracy", "test_accuracy", "test_accuracy_at_best_validation",
-                 "wall_time_s", "samples_per_s", "freeze_outcome", "run_dir")
-        print(json.dumps({k: summary.get(k) for k in shown}, indent=2))
-    return 0
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    shown = ("eval_accuracy", "best_eval_accuracy", "test_accuracy", "test_accuracy_at_best_validation",
+             "wall_time_s", "samples_per_s", "freeze_outcome", "interrupted", "run_dir")
+    print(json.dumps({k: summary.get(k) for k in shown if k in summary or k != "interrupted"}, indent=2))
+    if ERROR_DIR_ENV in os.environ:  # a local worker: its launcher reports the interruption and exits 130
+        return 0
+    code = _report_interruption(summary.get("interrupted"), args, Path(summary["run_dir"]))
+    return 0 if _under_torchrun() else code  # a torchrun worker's 130 would read as a failure, even a restart
 
 
 PLAN_DEFAULTS = ["freeze.enabled=true", "pipe.enabled=true", "dp.enabled=true", "cache.enabled=true"]
@@ -270,8 +361,12 @@ def _replay(args: argparse.Namespace) -> int:
     from pipetransformer.freeze.replay import read_logged_steps, replay
     from pipetransformer.optim import lr_at
     run_dir = Path(args.run_dir)
+    run_config = run_dir / "config.yaml"
+    if run_config.is_file() and (logged_every := load_config(run_config).run.log_every) != 1:
+        raise ConfigError(f"{run_dir} was trained with run.log_every={logged_every}: replay needs every step's "
+                          "gradient statistics; train the run with --set run.log_every=1")
     steps = read_logged_steps(run_dir / "metrics.jsonl")
-    config = load_config(args.config or run_dir / "config.yaml", args.overrides)
+    config = load_config(args.config or run_config, args.overrides)
     f, layers = config.freeze, len(steps[0].layer_grad_norms)
     try:  # the replayed run's learning-rate schedule, as the trainer builds it
         prior = resolve_prior(f.prior, layers, pretrained=config.model.pretrained)
@@ -310,10 +405,11 @@ def _pretrain(args: argparse.Namespace) -> int:
     from pipetransformer.distributed import resolve_device
     from pipetransformer.models import build_model
     from pipetransformer.models.pretrain import masked_patch_pretrain
-    from pipetransformer.models.vit import save_vit_backbone
+    from pipetransformer.models.vit import save_vit_backbone, vit_image_shape
     device = resolve_device(config.dist)
     torch.manual_seed(config.seed)
-    train_set = datasets_from_config(config.data, tokenizer=None).train  # no validation or test images
+    image_shape = vit_image_shape(config.model.vit)
+    train_set = datasets_from_config(config.data, tokenizer=None, image_shape=image_shape).train  # no held-out images
     pixels = train_set.get_batch(list(range(len(train_set)))).inputs[0]
     try:
         model = build_model("vit", num_labels=train_set.num_classes, path=config.model.path,
@@ -327,6 +423,17 @@ def _pretrain(args: argparse.Namespace) -> int:
     save_vit_backbone(model.cpu(), Path(args.out))
     print(f"backbone written to {args.out}: set model.path: {args.out}")
     return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from pipetransformer.predict import predict_command
+    return predict_command(Path(args.run_dir), Path(args.input), Path(args.output) if args.output else None,
+                           args.weights)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pipetransformer.export import export_command
+    return export_command(Path(args.run_dir), Path(args.out), args.weights)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -359,7 +466,11 @@ def _report_user_error(error: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay, "pretrain": _pretrain}
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir and _under_torchrun():  # a local worker: the launcher forwards Ctrl-C to this id
+        (Path(error_dir) / f"{PID_FILE_PREFIX}{os.environ['RANK']}").write_text(str(os.getpid()))
+    handlers = {"train": _train, "plan": _plan, "report": _report, "replay": _replay, "pretrain": _pretrain,
+                "predict": _predict, "export": _export}
     try:
         return handlers[args.command](args)
     except ConfigError as error:  # first, so a typo is reported without importing torch
@@ -368,8 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as error:
         _report_user_error(error)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        return EXIT_WORKER_FAILED
+    except KeyboardInterrupt:  # outside the training loop, or a lone process's second Ctrl-C
+        if int(os.environ.get("RANK", "0")) == 0 and ERROR_DIR_ENV not in os.environ:
+            print(f"error: {INTERRUPTED_OUTSIDE_TRAINING}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

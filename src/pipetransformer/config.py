@@ -6,6 +6,7 @@ allowed values, so a typo never silently runs the wrong job.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 import re
@@ -65,7 +66,7 @@ class RunConfig:
     name: str | None = None  # defaults to the config file's stem
     log_every: int = 10  # steps between metrics.jsonl records (1 = every step)
     progress: bool = True  # progress bar on rank 0, in samples
-    save_model: bool = False  # write model.safetensors + optimizer.safetensors (all blocks) at the end
+    save_model: bool = False  # also write optimizer.safetensors at the end (model.safetensors, the final weights, is always written)
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
 
@@ -96,7 +97,8 @@ class DataConfig:
     path: str | None = None  # text_csv: the CSV file; image_folder: the folder
     test_path: str | None = None  # text_csv: a CSV of test rows (same columns); null = a seeded test split of path
     text_column: str = "text"  # text_csv: the column holding the text
-    label_column: str = "label"  # text_csv: the column holding the label (class ids, or names)
+    label_column: str = "label"  # text_csv: the column holding the label: class names, whatever they look like ("1" and "5" make 2 classes)
+    encoding: str = "utf-8"  # text_csv: the CSV files' text encoding (e.g. latin-1, cp1252)
     max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
     split_seed: int = 0  # fixes the validation/test split and the subsets, apart from seed: every training seed is scored on the same data
     validation_fraction: float = 0.1  # of the training data: evaluations during training, best-model selection, tuning
@@ -351,6 +353,11 @@ class Config:
                               "use model.kind vit for image data and minilm/hf for text")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:
             raise ConfigError(f"data.name={self.data.name} needs data.path")
+        try:
+            codecs.lookup(self.data.encoding)
+        except LookupError:
+            raise ConfigError(f"data.encoding: unknown encoding {self.data.encoding!r} (e.g. utf-8, latin-1, "
+                              "cp1252)") from None
         if self.data.test_path is not None and self.data.name != "text_csv":
             raise ConfigError(f"data.test_path is for text_csv; data.name={self.data.name} has its test split built in "
                               "(image_folder: put test files in its folder)")

@@ -38,12 +38,23 @@ def run_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, expect_
     return result
 
 
-def start_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1,
-              extra_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    """Like :func:`run_job`, in the background (for tests that signal or kill its workers)."""
+def start_job(config: str, run_dir: Path, *overrides: str, nproc: int = 1, extra_args: tuple[str, ...] = (),
+              new_session: bool = False) -> subprocess.Popen[str]:
+    """Like :func:`run_job`, in the background (for tests that signal or kill its workers). ``new_session``: the job
+    leads a process group of its own, as a terminal's foreground job does (Ctrl-C signals the whole group)."""
     return subprocess.Popen(_train_command(config, run_dir, overrides, nproc, extra_args), cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
+
+
+def wait_for_steps(job: subprocess.Popen[str], run_dir: Path, steps: int) -> bool:
+    """Wait until ``steps`` steps are logged; False if the job ended first."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline and job.poll() is None:
+        if logged_steps(run_dir) >= steps:
+            return True
+        time.sleep(POLL_S)
+    return False
 
 
 def logged_steps(run_dir: Path) -> int:

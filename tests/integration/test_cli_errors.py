@@ -63,6 +63,10 @@ CASES = {
     "csv_columns_not_named": Case((TINY_TEXT, *TABLE), ("'text'", "statement", "data.text_column")),
     "resume_from_a_missing_checkpoint_2_workers": Case((TINY_VIT, "--resume", "{tmp}/nowhere", "--nproc-per-node", "2"),
                                                        ("nowhere", "does not exist", "--resume alone")),
+    "image_size_not_the_models_2_workers": Case((TINY_VIT, "--set", "model.vit.image_size=16", "--nproc-per-node", "2"),
+                                                ("1x8x8", "1x16x16", "model.vit.image_size", "model.vit.in_channels")),
+    "max_length_beyond_the_positions": Case((TINY_TEXT, "--set", "data.max_length=65"),
+                                            ("data.max_length=65", "64 position embeddings")),
     "resume_from_a_run_directory": Case((TINY_VIT, "--resume", "{tmp}/old_run"),
                                         ("holds checkpoints", "old_run/checkpoints/step-000000007")),
 }
@@ -131,6 +135,18 @@ def test_a_model_over_the_memory_budget_is_refused_before_any_worker_starts(
     _assert_clean_error(result, case.names)
     assert not run_dir.exists()
     assert "elastic" not in result.stdout + result.stderr  # torchrun's agent logs every worker failure
+
+
+def test_images_of_another_size_than_the_models_are_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    """scikit-learn's 8x8 digits on a ViT built for 16x16: one line naming both shapes and the keys, no run directory,
+    no worker started (each would have died in its first forward with a traceback)."""
+    run_dir = tmp_path / "never-created"
+    case = Case((TINY_VIT, "--set", "model.vit.image_size=16", "--nproc-per-node", "2"),
+                ("images are 1x8x8", "model takes 1x16x16", "model.vit.image_size"))
+    result = _run(case, tmp_path, run_dir)
+    _assert_clean_error(result, case.names)
+    assert not run_dir.exists()
+    assert "elastic" not in result.stdout + result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")

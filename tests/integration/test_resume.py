@@ -8,6 +8,7 @@ sample of every epoch exactly once.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from jobs import (JOB_TIMEOUT_S, assert_close_states, event_scalars, logged_records, optimizer_state, run_job,
-                  seen_samples, signal_worker_after, start_job, summary, weights)
+                  seen_samples, signal_worker_after, start_job, summary, wait_for_steps, weights)
 from pipetransformer.faults import FAULT_ENV
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,47 @@ def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, uninterrupted: Path
     # TensorBoard shows each step once, the killed attempt's steps up to its checkpoint and the resumed run's after.
     expected = [(s["step"], pytest.approx(s["loss"])) for s in logged_records(reference, "step")]
     assert event_scalars(crashed / "tensorboard", "train/loss") == expected
+
+
+EXIT_INTERRUPTED = 130
+
+
+def test_ctrl_c_checkpoints_exits_130_and_resume_ends_equal(tmp_path: Path, uninterrupted: Path) -> None:
+    """Ctrl-C in a terminal: SIGINT to the launcher and both workers (one process group). The run checkpoints at the
+    step it stops at (mid-epoch 1), exits 130 with one line that names the command to continue, and that command
+    ends bit-identical to a run that was never interrupted."""
+    interrupted = tmp_path / "interrupted"
+    job = start_job(VIT, interrupted, *COMMON, nproc=2, new_session=True)
+    assert wait_for_steps(job, interrupted, steps=7), "the job ended before Ctrl-C"
+    os.killpg(job.pid, signal.SIGINT)
+    output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    assert job.returncode == EXIT_INTERRUPTED, output[-3000:]
+    stop = summary(interrupted)["interrupted"]
+    assert stop["signal"] == "SIGINT" and 7 <= stop["step"] < 36 and stop["step"] % 6, stop  # mid-epoch
+    assert Path(stop["checkpoint"]).name == f"step-{stop['step']:09d}"
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted at step {stop['step']}; continue with: pipetransformer train "), last
+    assert last.endswith(f"--set run.dir={interrupted} --resume") and "Traceback" not in output, output[-3000:]
+
+    run_job(VIT, interrupted, *COMMON, nproc=2, extra_args=("--resume",))
+    assert "interrupted" not in summary(interrupted) and summary(interrupted)["steps"] == 36
+    for name, tensor in weights(uninterrupted).items():
+        assert torch.equal(weights(interrupted)[name], tensor), f"{name} differs after resume"
+    for name, tensor in optimizer_state(uninterrupted).items():
+        assert torch.equal(optimizer_state(interrupted)[name], tensor), f"{name} differs after resume"
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "kill-INT-to-the-launcher-alone"])
+def test_sigint_to_the_command_checkpoints_and_exits_130(tmp_path: Path, nproc: int) -> None:
+    """SIGINT to the command's process only: a lone trainer stops itself; a launcher forwards it to its workers."""
+    job = start_job(VIT, tmp_path, "train.epochs=20", "data.max_train_samples=64", nproc=nproc)
+    assert wait_for_steps(job, tmp_path, steps=3), "the job ended before SIGINT"
+    os.kill(job.pid, signal.SIGINT)
+    output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    assert job.returncode == EXIT_INTERRUPTED, output[-3000:]
+    step = summary(tmp_path)["interrupted"]["step"]
+    assert (tmp_path / "checkpoints" / f"step-{step:09d}").is_dir()
+    assert output.strip().splitlines()[-1].startswith(f"interrupted at step {step}; continue with: ")
 
 
 def test_sigterm_then_resume_on_fewer_workers_after_corrupt_newest_checkpoint(tmp_path: Path) -> None:

@@ -286,6 +286,25 @@ def test_text_csv_with_integer_labels_and_errors(tmp_path: Path, tokenizer: PreT
         load_text_csv(tmp_path / "absent.csv", tokenizer)
 
 
+def test_text_csv_labels_are_names_and_errors_name_file_line_and_setting(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Star ratings "1" and "5" are two classes (not a six-class head), numbered in numeric order ("10" after "5");
+    an empty label is reported at its 1-based line of the file; a Latin-1 file names its line and data.encoding."""
+    path = tmp_path / "stars.csv"
+    path.write_text("text,label\n" + "".join(f"review {i},{(1, 5, 10)[i % 3]}\n" for i in range(12)))
+    train, _, _ = load_text_csv(path, tokenizer, max_length=8, validation_fraction=0.25)
+    assert train.class_names == ("1", "5", "10")
+    path.write_text("text,label\n" + "".join(f"review {i},{'' if i == 7 else 'a'}\n" for i in range(12)))
+    with pytest.raises(ValueError, match=rf"{path}, line 9: empty 'label' label"):
+        load_text_csv(path, tokenizer)
+    rows = "text,label\n" + "".join(f"caf\u00e9 {i},{'ab'[i % 2]}\n" for i in range(12))
+    path.write_bytes(rows.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{path}, line 2: not utf-8 \(byte 0xe9\); set data.encoding"):
+        load_text_csv(path, tokenizer)
+    train, _, _ = load_text_csv(path, tokenizer, max_length=8, validation_fraction=0.25, encoding="latin-1")
+    assert tokenizer.decode(train.input_ids[0], skip_special_tokens=True).startswith("cafe")  # uncased: no accents
+
+
 def _assert_same_texts(got: Texts, want: Texts) -> None:
     for part, expected in zip(got, want, strict=True):
         assert torch.equal(part.input_ids, expected.input_ids) and torch.equal(part.labels, expected.labels)

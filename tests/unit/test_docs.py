@@ -48,7 +48,8 @@ def test_config_reference_matches_the_code() -> None:
     assert not wrong, f"docs/configuration.md defaults differ from the code (docs, code): {wrong}"
 
 
-COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?pipetransformer(?:\.cli)?\s+(train|plan|replay|pretrain|report)\b")
+COMMAND = re.compile(
+    r"(?:^|\s)(?:\S*/)?pipetransformer(?:\.cli)?\s+(train|plan|replay|pretrain|report|predict|export)\b")
 
 def _bash_blocks(doc: Path) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```", doc.read_text(encoding="utf-8"), re.MULTILINE | re.DOTALL)

@@ -20,10 +20,12 @@ def norms(step: int) -> list[float]:
     return [1.0, 1.0, 0.5**step, 0.5**step]
 
 
-def write_run(run_dir: Path, steps: int, *, every: int = 1, freeze_at: int | None = None) -> Path:
+def write_run(run_dir: Path, steps: int, *, every: int = 1, freeze_at: int | None = None,
+              log_every: int = 1) -> Path:
+    """``every``: the steps the metrics hold; ``log_every``: the setting config.yaml records."""
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("freeze: {policy: gradient, interval: 2, interval_unit: steps, alpha: 1.0, "
-                                          "max_fraction: 0.5}\n")
+                                          f"max_fraction: 0.5}}\nrun: {{log_every: {log_every}}}\n")
     with (run_dir / "metrics.jsonl").open("w") as out:
         for step in range(1, steps + 1):
             if step % every == 0:
@@ -70,6 +72,14 @@ def test_replay_refuses_runs_it_cannot_replay_exactly(tmp_path: Path, capsys: py
         read_logged_steps(run_dir / "metrics.jsonl")
     assert main(["replay", str(run_dir)]) == EXIT_USER_ERROR
     assert message in capsys.readouterr().err
+
+
+def test_replay_of_a_run_logged_every_10_steps_names_the_setting(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The default run.log_every: the command says which setting to train with, not what the policy lacks."""
+    run_dir = write_run(tmp_path / "run", 25, every=10, log_every=10)
+    assert main(["replay", str(run_dir)]) == EXIT_USER_ERROR
+    assert "trained with run.log_every=10" in capsys.readouterr().err
 
 
 def test_replay_of_a_missing_run_says_what_to_give(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

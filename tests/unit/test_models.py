@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from torch import nn
 from pipetransformer.models import BlockSequence, BlockSplitError, build_model, load_tokenizer, minilm_path
 from pipetransformer.models.blocks import Activation
 from pipetransformer.models.hf import LAYER_LIST_PATHS, blocks_from_hf, load_hf_encoder
-from pipetransformer.models.vit import build_vit
+from pipetransformer.models.vit import VIT_SETTINGS, build_vit
 
 HIDDEN = 32
 HEADS = 4
@@ -289,3 +290,17 @@ def test_pretrained_weights_prefer_safetensors_and_warn_on_bin(tmp_path: Path, s
         assert not warned
     else:
         assert len(warned) == 1 and ".bin" in warned[0] and str(tmp_path) in warned[0], warned
+
+
+def test_every_vit_setting_is_documented() -> None:
+    """``VIT_SETTINGS`` is the config reference's list of ``model.vit.*`` keys: exactly build_vit's arguments."""
+    arguments = set(inspect.signature(build_vit).parameters) - {"num_classes"}
+    assert set(VIT_SETTINGS) == arguments
+
+
+def test_loading_pretrained_weights_prints_no_progress_bar(capfd: pytest.CaptureFixture[str]) -> None:
+    """Every process of a launch loads the weights: transformers' "Loading weights" bar would print once each."""
+    from pipetransformer.models.hf import load_hf_encoder
+
+    load_hf_encoder(path=minilm_path())
+    assert "Loading weights" not in capfd.readouterr().err

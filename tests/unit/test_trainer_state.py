@@ -99,3 +99,18 @@ def test_the_saved_model_is_written_owner_only_and_atomically(tmp_path: Path) ->
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
     assert load_file(str(tmp_path / "model.safetensors")), "an empty model file"
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left"
+
+
+def test_the_bar_ends_at_max_steps_and_a_max_steps_beyond_the_epochs_is_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """tiny_text: 256 training rows in batches of 32, 8 steps an epoch. max_steps=3 shortens the bar to 3 batches;
+    max_steps=100 on one epoch cannot be reached, and the run says so before its first step."""
+    short = Trainer(load_config(ROOT / "configs" / "tiny_text.yaml", [f"run.dir={tmp_path / 'a'}",
+                                                                      "train.max_steps=3"]))
+    try:
+        assert short._bar_samples() == 3 * 32 < short._total_samples()
+    finally:
+        short.close()
+    with caplog.at_level("WARNING"):
+        _fit(tmp_path / "b", "train.epochs=1", "train.max_steps=100", "checkpoint.enabled=false")
+    assert "train.max_steps=100 is more than the 8 steps of train.epochs=1" in caplog.text

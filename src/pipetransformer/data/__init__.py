@@ -89,13 +89,16 @@ def load_datasets(
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
     max_test_samples: int | None = None,
+    image_shape: tuple[int, int, int] | None = None,
+    encoding: str = "utf-8",
 ) -> DataSplits[IndexedDataset]:
     """Train / validation / test for a data set name, each optionally cut to a seeded subset (re-numbered from 0).
 
     Validation is always a ``seed``-ed fraction of the training data. Test is the data set's own test split where
     it has one (``fashion_mnist``, an ``image_folder`` with test files, ``text_csv`` with ``test_path``), otherwise
     another ``seed``-ed fraction (``test_fraction`` is then unused). ``seed`` fixes the split only: pass the same
-    one for every training seed so every run is scored on the same test set.
+    one for every training seed so every run is scored on the same test set. ``image_shape``: the model's
+    ``(channels, size, size)``, which an ``image_folder`` of image files is converted to.
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
@@ -116,24 +119,27 @@ def load_datasets(
         assert tokenizer is not None and path is not None
         return load_text_csv(path, tokenizer, text_column=text_column, label_column=label_column,
                              max_length=max_length, validation_fraction=validation_fraction,
-                             test_fraction=test_fraction, seed=seed, test_path=test_path, limits=limits)
+                             test_fraction=test_fraction, seed=seed, test_path=test_path, limits=limits,
+                             encoding=encoding)
     if name == "fashion_mnist":
         splits = load_fashion_mnist(path or FASHION_MNIST_ROOT, validation_fraction, seed)
     elif name == "digits":
         splits = load_digits_images(validation_fraction, test_fraction, seed)
     else:
         assert path is not None
-        splits = load_image_folder(path, validation_fraction, test_fraction, seed)
+        splits = load_image_folder(path, validation_fraction, test_fraction, seed, image_shape)
     return at_most(splits, limits, seed)
 
 
-def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> DataSplits[IndexedDataset]:
-    """``load_datasets`` with every setting of a config's ``data`` section."""
+def datasets_from_config(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None,
+                         image_shape: tuple[int, int, int] | None = None) -> DataSplits[IndexedDataset]:
+    """``load_datasets`` with every setting of a config's ``data`` section (``image_shape``: the model's)."""
     return load_datasets(data.name, tokenizer=tokenizer, max_length=data.max_length, path=data.path,
                          test_path=data.test_path, text_column=data.text_column, label_column=data.label_column,
                          validation_fraction=data.validation_fraction, test_fraction=data.test_fraction,
                          seed=data.split_seed, max_train_samples=data.max_train_samples,
-                         max_eval_samples=data.max_eval_samples, max_test_samples=data.max_test_samples)
+                         max_eval_samples=data.max_eval_samples, max_test_samples=data.max_test_samples,
+                         image_shape=image_shape, encoding=data.encoding)
 
 
 def small_split_warnings(splits: DataSplits[IndexedDataset]) -> list[str]:

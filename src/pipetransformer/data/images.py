@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pipetransformer.data.batch import DataSplits, DatasetUnavailableError, IndexedDataset, held_out_splits
+from pipetransformer.data.image_folders import IMAGE_EXTENSIONS, class_folder_root, read_class_folders
 
 __all__ = [
     "FASHION_MNIST_CLASSES",
@@ -49,6 +50,9 @@ MIN_STD = 1e-6
 CHANNEL_COUNTS = (1, 3, 4)
 """Grey, RGB, RGBA: used only to recognise channels-last arrays and ask for [N, C, H, W]."""
 
+Normalization = tuple[list[float], list[float]]
+"""Per channel ``(mean, std)``: pixels in [0, 1] become ``(pixels - mean) / std``."""
+
 IDX_PREFIXES = {"train": "train", "test": "t10k"}
 IDX_IMAGES = "images-idx3-ubyte"
 IDX_LABELS = "labels-idx1-ubyte"
@@ -69,11 +73,14 @@ class ImageDataset(IndexedDataset):
 
     task = "image"
 
-    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str]) -> None:
+    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str],
+                 normalization: Normalization | None = None) -> None:
+        """``normalization``: the per-channel ``(mean, std)`` the pixels were given, for new images to get too."""
         if pixels.dim() != 4 or pixels.dtype != torch.float32:
             raise ValueError(f"pixels must be a float32 [N, C, H, W] tensor, got {pixels.dtype} {tuple(pixels.shape)}")
         super().__init__((pixels,), labels, class_names)
         self.pixels = pixels
+        self.normalization = normalization
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -85,7 +92,7 @@ class ImageDataset(IndexedDataset):
         return (self.pixels[index],)
 
     def select(self, positions: torch.Tensor) -> ImageDataset:
-        return ImageDataset(self.pixels[positions], self.labels[positions], self.class_names)
+        return ImageDataset(self.pixels[positions], self.labels[positions], self.class_names, self.normalization)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -136,6 +143,7 @@ def _normalized(splits: DataSplits[ImageDataset]) -> DataSplits[ImageDataset]:
     std = std.clamp_min(MIN_STD)
     for dataset in splits:
         dataset.pixels.sub_(mean).div_(std)
+        dataset.normalization = (mean.flatten().tolist(), std.flatten().tolist())
     return splits
 
 
@@ -216,21 +224,27 @@ def _read_folder_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Te
 
 def load_image_folder(
     path: str | Path, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-    test_fraction: float = DEFAULT_TEST_FRACTION, seed: int = 0,
+    test_fraction: float = DEFAULT_TEST_FRACTION, seed: int = 0, image_shape: tuple[int, int, int] | None = None,
 ) -> DataSplits[ImageDataset]:
-    """A user's folder of Fashion-MNIST-style idx(.gz) files or ``train.npz``/``test.npz`` (arrays ``x``, ``y``).
+    """A user's folder of images in class folders (``<class>/*.png``, or ``train/<class>/...`` and
+    ``test/<class>/...``: :mod:`~pipetransformer.data.image_folders`, converted to ``image_shape``, the model's
+    ``(channels, size, size)``), of Fashion-MNIST-style idx(.gz) files, or ``train.npz``/``test.npz`` (arrays ``x``,
+    ``y``; as stored, whatever ``image_shape``).
 
     Validation is a ``seed``-ed fraction of the training files; test is the folder's test files, or, when it
-    has none, another ``seed``-ed fraction of the training files. Classes are ``0..max label``.
+    has none, another ``seed``-ed fraction of the training files. Classes are the class folders' names (sorted),
+    or ``0..max label`` for idx and npz files.
     """
     folder = Path(path)
     usage = (
-        f"train-{IDX_IMAGES}[.gz] + train-{IDX_LABELS}[.gz] (and t10k-...), "
-        "or train.npz/test.npz with arrays x and y"
+        f"class folders of images (<class>/*{'|'.join(IMAGE_EXTENSIONS)}, optionally under train/ and test/), "
+        f"train-{IDX_IMAGES}[.gz] + train-{IDX_LABELS}[.gz] (and t10k-...), or train.npz/test.npz with arrays x and y"
     )
     if not folder.is_dir():
         raise DatasetUnavailableError(f"no image folder at {folder}; pass a folder holding {usage}")
     train_split = _read_folder_split(folder, "train")
+    if train_split is None and (root := class_folder_root(folder)) is not None:
+        return _load_class_folders(folder, root, validation_fraction, test_fraction, seed, image_shape)
     if train_split is None:
         raise DatasetUnavailableError(f"{folder} has no training images; it needs {usage}")
     if train_split[1].numel() == 0:
@@ -245,4 +259,19 @@ def load_image_folder(
         raise ValueError(
             f"{folder}: train images are {train.image_shape} but test images are {test.image_shape}; use one shape"
         )
+    return _normalized(held_out_splits(train, validation_fraction, test_fraction, seed, test=test))
+
+
+def _load_class_folders(folder: Path, root: Path, validation_fraction: float, test_fraction: float, seed: int,
+                        image_shape: tuple[int, int, int] | None) -> DataSplits[ImageDataset]:
+    """Training images from ``root``'s class folders; test from ``folder/test`` when ``root`` is ``folder/train``
+    and it exists, otherwise a ``seed``-ed fraction of the training images."""
+    pixels, labels, class_names = read_class_folders(root, None, image_shape)
+    train = ImageDataset(pixels, labels, class_names)
+    test_root = folder / "test"
+    test = None
+    if root != folder and test_root.is_dir():
+        if image_shape is None:  # the test images take the training images' shape
+            image_shape = train.image_shape
+        test = ImageDataset(*read_class_folders(test_root, class_names, image_shape)[:2], class_names)
     return _normalized(held_out_splits(train, validation_fraction, test_fraction, seed, test=test))

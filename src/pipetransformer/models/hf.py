@@ -17,7 +17,8 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -315,9 +316,10 @@ def load_hf_encoder(
         if not safetensors:
             logger.warning("%s has no safetensors weights: loading its pickle-based .bin weights, which can run code "
                            "from the file; load only files you trust, and convert them once with save_pretrained", path)
-        model: nn.Module = AutoModel.from_pretrained(
-            path, local_files_only=True, attn_implementation=attn_implementation, use_safetensors=safetensors
-        )
+        with quiet_transformers():  # a launch loads the weights in every process: one line says so (the trainer's)
+            model: nn.Module = AutoModel.from_pretrained(
+                path, local_files_only=True, attn_implementation=attn_implementation, use_safetensors=safetensors
+            )
         return model
     assert config is not None
     settings = dict(config)
@@ -328,6 +330,20 @@ def load_hf_encoder(
     _check_attention_kernel(random_weights, attn_implementation)
     model = AutoModel.from_config(random_weights, attn_implementation=attn_implementation)
     return model
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") off, for this block only."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _check_attention_kernel(config: PreTrainedConfig, attn_implementation: str) -> None:

@@ -9,6 +9,7 @@ layer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,13 +22,27 @@ from pipetransformer.models.heads import ImageClassificationHead
 __all__ = [
     "DEFAULT_DROPOUT",
     "DEFAULT_MLP_RATIO",
+    "VIT_SETTINGS",
     "PatchEmbeddings",
     "ViTLayer",
     "build_vit",
     "load_vit_backbone",
     "save_vit_backbone",
+    "vit_image_shape",
 ]
 
+VIT_SETTINGS = {
+    "image_size": "side of the square input images in pixels (required; image_folder files are resized to it)",
+    "patch_size": "side of a square patch, dividing image_size (required)",
+    "in_channels": "1 greyscale or 3 RGB (required; image_folder files are converted to it)",
+    "dim": "width of every layer, divisible by heads (required)",
+    "depth": "transformer layers (required)",
+    "heads": "attention heads per layer (required)",
+    "mlp_ratio": "MLP hidden width over dim (default 4.0)",
+    "dropout": "dropout probability (default 0.0)",
+}
+"""Every ``model.vit.*`` key (``build_vit``'s arguments but ``num_classes``) and its meaning: the config reference's
+rows for the built-in ViT."""
 DEFAULT_MLP_RATIO = 4.0
 DEFAULT_DROPOUT = 0.0
 INIT_STD = 0.02
@@ -96,6 +111,15 @@ class ViTLayer(nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=dropout)
         return self.attention_out(attended.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+def vit_image_shape(vit: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``(channels, size, size)`` the ViT of these ``model.vit`` settings takes, or None where they lack one
+    (``build_vit`` then names the missing key)."""
+    size, channels = vit.get("image_size"), vit.get("in_channels")
+    if not isinstance(size, int) or not isinstance(channels, int):
+        return None
+    return channels, size, size
 
 
 def build_vit(

@@ -46,10 +46,11 @@ def _model_and_batch(config: Config, device: Any = "cpu") -> tuple[Any, tuple[An
     import torch
 
     from pipetransformer.pipe.profile import PROFILE_BATCH
-    from pipetransformer.train.build import build_blocks, example_inputs, read_splits
+    from pipetransformer.train.build import build_blocks, check_data_fits_model, example_inputs, read_splits
 
     train = read_splits(replace(config, data=replace(config.data, max_train_samples=PROFILE_BATCH))).train
     model = build_blocks(config, train.num_classes, torch.device(device))  # profiled as it will train
+    check_data_fits_model(config, model, train)
     return model, example_inputs(train, config.data.max_length, torch.device(device), PROFILE_BATCH), train.num_classes
 
 

@@ -10,17 +10,22 @@ import torch
 from pipetransformer.config import Config, ConfigError, RunConfig
 from pipetransformer.data import datasets_from_config, small_split_warnings
 from pipetransformer.data.batch import DataSplits, IndexedDataset
+from pipetransformer.data.images import ImageDataset
 from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
 from pipetransformer.models.blocks import Activation
+from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
-__all__ = ["build_blocks", "example_inputs", "load_splits", "resolve_run_dir", "seed_everything"]
+__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "load_splits",
+           "model_image_shape", "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """``train.precision`` -> the autocast dtype of every forward (None: the weights' own fp32)."""
+MIN_CLASSES = 2
+"""A classifier needs two classes to tell apart."""
 
 
 def seed_everything(config: Config) -> None:
@@ -40,7 +45,7 @@ def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
     tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
     try:
-        return datasets_from_config(config.data, tokenizer)
+        return datasets_from_config(config.data, tokenizer, image_shape=vit_image_shape(config.model.vit))
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
 
@@ -66,6 +71,78 @@ def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSeq
     model.train()
     model.compute_dtype = COMPUTE_DTYPES[config.train.precision]
     return model
+
+
+def _image_remedy(config: Config, shape: tuple[int, int, int]) -> str:
+    """What to set so the model takes images of ``shape`` (it takes square ones only)."""
+    channels, height, width = shape
+    if height != width:
+        return f"the model takes square images: resize them to {height}x{height}"
+    if config.model.kind == "vit":
+        return (f"set model.vit.in_channels: {channels} and model.vit.image_size: {height} (model.vit.patch_size must "
+                "divide it), or give images of the model's shape")
+    return (f"set num_channels: {channels} and image_size: {height} in model.hf_config (or the config of model.path), "
+            "or give images of the model's shape")
+
+
+def model_image_shape(model: BlockSequence) -> tuple[int, int, int] | None:
+    """``(channels, height, width)`` the model's embeddings take: the built-in ViT's or a Hugging Face config's."""
+    embeddings = model.blocks[0]
+    if isinstance(embeddings, PatchEmbeddings):
+        return embeddings.in_channels, embeddings.image_size, embeddings.image_size
+    hf = _hf_config(model)
+    size, channels = getattr(hf, "image_size", None), getattr(hf, "num_channels", None)
+    if isinstance(size, int) and isinstance(channels, int):
+        return channels, size, size
+    return None
+
+
+def _hf_config(model: BlockSequence) -> object | None:
+    """The Hugging Face config a block keeps (its ``model_type`` tells it from other ``config`` attributes)."""
+    return next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
+
+
+def _positions_fit(model: BlockSequence, length: int, device: torch.device) -> bool:
+    """Whether the embeddings take ``length`` tokens: tried on one all-padding row, which reads every position
+    (a rule from the config alone would miss RoBERTa's offset positions and relative or rotary ones)."""
+    ids = torch.zeros(1, length, dtype=torch.int64, device=device)
+    try:
+        with torch.no_grad():
+            model.blocks[0](ids, torch.ones_like(ids))
+    except (IndexError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def check_data_fits_model(config: Config, model: BlockSequence, train: IndexedDataset) -> None:
+    """Refuse data the model cannot take, in one line naming the settings to change, before any step (and before
+    workers start: the launcher's pre-flight calls it): image channels and size against the model's embeddings,
+    ``data.max_length`` against its positions, and at least two classes for its head (which is built with the
+    data's class count, so the head itself always fits)."""
+    if isinstance(train, ImageDataset):
+        expected = model_image_shape(model)
+        if expected is not None and train.image_shape != expected:
+            shown = "x".join(map(str, train.image_shape))
+            raise ConfigError(f"data: the images are {shown} (channels x height x width) but the model takes "
+                              f"{'x'.join(map(str, expected))}: {_image_remedy(config, train.image_shape)}")
+    elif isinstance(train, TextDataset):
+        device = next(model.parameters()).device
+        if not _positions_fit(model, config.data.max_length, device):
+            positions = getattr(_hf_config(model), "max_position_embeddings", "fewer")
+            raise ConfigError(f"data.max_length={config.data.max_length} is longer than the model's {positions} "
+                              "position embeddings (max_position_embeddings): lower data.max_length")
+    if train.num_classes < MIN_CLASSES:
+        raise ConfigError(f"data: the training data has {train.num_classes} class ({', '.join(train.class_names)}); "
+                          f"a classifier needs at least {MIN_CLASSES}: check data.label_column or the class folders")
+
+
+def describe_model(config: Config, model: BlockSequence) -> str:
+    """What was built, and from which weights: ``model.kind``, blocks, parameters, and the weights' source."""
+    m = config.model
+    source = {"minilm": "the packaged all-MiniLM-L6-v2", "hf": m.path or "random init (model.hf_config)",
+              "vit": m.path or "random init"}[m.kind]
+    parameters = sum(p.numel() for p in model.parameters())
+    return f"{m.kind}, {len(model)} blocks, {parameters / 1e6:.2f}M parameters, weights: {source}"
 
 
 def example_inputs(dataset: IndexedDataset, max_length: int, device: torch.device, rows: int) -> Activation:

@@ -23,13 +23,16 @@ from pipetransformer.distributed import DistEnv, broadcast_string, broadcast_ten
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.state import TrainState
 
-__all__ = ["BEST_VALIDATION_DIR", "CHECKPOINTS_DIR", "Checkpointer", "MODEL_FILE", "OPTIMIZER_FILE"]
+__all__ = ["BEST_MODEL_FILE", "BEST_VALIDATION_DIR", "CHECKPOINTS_DIR", "Checkpointer", "MODEL_FILE", "OPTIMIZER_FILE"]
 
 logger = logging.getLogger(__name__)
 
 BEST_VALIDATION_DIR = "best-validation"
 """Under the checkpoint directory: the weights of the best validation metric, tested once at the end."""
 MODEL_FILE = "model.safetensors"
+"""In the run directory: the final weights (or those at an interrupt), always written."""
+BEST_MODEL_FILE = "best-validation.safetensors"
+"""In the run directory: the weights of the best validation, when checkpoints (which keep them) are on."""
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
@@ -92,14 +95,18 @@ class Checkpointer:
             return None
         return {"step": saved.step, "bytes": saved.bytes_written, "seconds": saved.seconds, "path": str(saved.path)}
 
-    def save_model(self, state: TrainState, directory: Path) -> None:
-        """Every block's weights and all optimizer state, written as checkpoint files are."""
-        weights, optimizer = state.tensors()
+    def save_model(self, state: TrainState, directory: Path, *, optimizer: bool, best: Checkpoint | None) -> None:
+        """Every block's weights, the best validation's (``best``, if kept) and, with ``optimizer``, all optimizer
+        state, written as checkpoint files are: what ``pipetransformer predict`` and ``export`` read."""
+        weights, optimizer_state = state.tensors()
         error = ""
         if self.env.is_main:
             try:
                 write_tensors(directory / MODEL_FILE, weights, "model")
-                write_tensors(directory / OPTIMIZER_FILE, optimizer, "optimizer")
+                if best is not None:
+                    write_tensors(directory / BEST_MODEL_FILE, best.weights, "model")
+                if optimizer:
+                    write_tensors(directory / OPTIMIZER_FILE, optimizer_state, "optimizer")
             except CheckpointError as failure:
                 error = str(failure)
         raise_together(error, CheckpointError)

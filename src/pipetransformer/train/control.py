@@ -1,7 +1,7 @@
 """The per-step control vector: what every rank must agree on after a step, in one all-reduce.
 
 Per-layer gradient statistics (for the freeze policy), the total gradient norm (for clipping), stop requests
-(SIGTERM on any rank) and the loss travel together as one float64 tensor summed over the world, so every rank,
+(SIGTERM or SIGINT on any rank) and the loss travel together as one float64 tensor summed over the world, so every rank,
 idle ones included, takes the same freeze, clip and stop decisions. Each field is contributed by exactly one
 kind of rank (gradients by replica 0 of each stage, the loss by the last stages), so the sum assembles them.
 Gradients count from replica 0 only because after the gradient sync every replica holds the same ones:
@@ -35,7 +35,8 @@ class ControlVector:
     layer_grad_dots: torch.Tensor  # [L] g_t . g_{t-1} of each layer (0 where not valid)
     layer_dot_valid: torch.Tensor  # [L] 1 where the layer's dot product is valid
     total_grad_sq: torch.Tensor  # [1] squared norm of every trainable gradient (embeddings and head included)
-    stop_requests: torch.Tensor  # [1] ranks that received SIGTERM
+    stop_requests: torch.Tensor  # [1] ranks that received SIGTERM or SIGINT
+    interrupt_requests: torch.Tensor  # [1] ranks whose stop request was a SIGINT (Ctrl-C): the run exits 130
     loss: torch.Tensor  # [1] the step's loss summed over the last stages (already a mean over the global batch)
 
     @classmethod
@@ -68,6 +69,11 @@ class ControlVector:
     def stop_requested(self) -> bool:
         return bool(self.stop_requests > 0)
 
+    @property
+    def interrupted(self) -> bool:
+        """Some rank's stop request was a SIGINT: every rank reports the stop as an interruption."""
+        return bool(self.interrupt_requests > 0)
+
     def check_finite(self, step: int, checkpoint_dir: Path) -> None:
         """Stop before a non-finite update reaches the weights; the last checkpoint stays the last good one."""
         loss, total_norm = float(self.loss), self.total_grad_norm()
@@ -81,11 +87,13 @@ class ControlVector:
 
 
 def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.Tensor, *, stop: bool,
-                   previous_grads: PreviousGradients | None) -> ControlVector:
-    """This rank's share of the step's control vector, summed over the world (every rank must call)."""
+                   previous_grads: PreviousGradients | None, interrupt: bool = False) -> ControlVector:
+    """This rank's share of the step's control vector, summed over the world (every rank must call).
+    ``interrupt``: this rank's stop request came from SIGINT."""
     layers = model.num_layers
     control = ControlVector.zeros(layers)
-    control.stop_requests[0] = float(stop)
+    control.stop_requests[0] = float(stop or interrupt)
+    control.interrupt_requests[0] = float(interrupt)
     if placement.replica == 0:
         blocks = block_grad_sq_norms(model, range(*placement.blocks))
         control.layer_grad_sq[:] = blocks[1:layers + 1]

@@ -63,7 +63,8 @@ class RunRecorder:
         self.started = started
         if self.env.is_main and self.settings.progress:
             from tqdm import tqdm
-            self._bar = tqdm(total=total_samples, initial=samples_done, dynamic_ncols=True, mininterval=BAR_REFRESH_S)
+            self._bar = tqdm(total=total_samples, initial=samples_done, unit="samples", dynamic_ncols=True,
+                             mininterval=BAR_REFRESH_S)
 
     def step(self, progress: Progress, result: StepResult, samples: int, timer: StepTimer, plan: LayoutPlan,
              frozen_layers: int) -> None:

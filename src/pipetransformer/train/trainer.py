@@ -24,7 +24,8 @@ from pipetransformer.optim import lr_at
 from pipetransformer.pipe.cost import Precision
 from pipetransformer.train.autocache import AutoCache
 from pipetransformer.train.autofreeze import AutoFreeze
-from pipetransformer.train.build import build_blocks, load_splits, resolve_run_dir, seed_everything
+from pipetransformer.train.build import (build_blocks, check_data_fits_model, describe_model, load_splits,
+                                         resolve_run_dir, seed_everything)
 from pipetransformer.train.checkpointer import Checkpointer
 from pipetransformer.train.control import gather_control
 from pipetransformer.train.elastic import ElasticLayout
@@ -40,6 +41,8 @@ __all__ = ["Trainer", "train"]
 logger = logging.getLogger(__name__)
 
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Each checkpoints at the next step and stops the run; SIGINT (Ctrl-C) makes the command exit 130."""
 
 
 class Trainer:
@@ -53,6 +56,9 @@ class Trainer:
         self.train_set, self.eval_set, self.test_set = load_splits(config, env)
         self.rss_before_model = peak_rss_bytes()  # the runtime and the data: what the memory plan does not count
         self.model = build_blocks(config, self.task.outputs(self.train_set), env.device)
+        check_data_fits_model(config, self.model, self.train_set)
+        if env.is_main:  # the one line of a launch about the model (every process loads it, quietly)
+            logger.info("model: %s", describe_model(config, self.model))
         self.sampler = ElasticSampler(len(self.train_set), seed=config.seed, drop_last=config.train.drop_last)
         batch = config.train.batch_size  # planned steps at the starting batch: what a fraction window is a share of
         self.freezer = AutoFreeze.from_config(config, self.model, warn=env.is_main,
@@ -75,19 +81,21 @@ class Trainer:
         self.layout.follow(self.freezer, self.optimizer, self.progress)
         self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
                                     cache_metrics=self.cache.metrics)
-        self._sigterm_received = False  # this rank, set by the signal handler at any moment
+        self._stop_signal: signal.Signals | None = None  # this rank's SIGTERM/SIGINT, set by the handler at any moment
         self.recorder.write_config(config)
 
     def fit(self) -> dict[str, Any]:
         cfg, progress = self.config.train, self.progress
         started = time.perf_counter() - progress.elapsed_before_s
         timer = StepTimer(self.env.device)
-        self.recorder.start(started, self._total_samples(), self.state.samples_done())
+        if self.env.is_main:
+            self._say_when_max_steps_is_out_of_reach()
+        self.recorder.start(started, self._bar_samples(), self.state.samples_done())
         resumed_mid_epoch = progress.step > 0 and not progress.epoch_done
         first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
         done = cfg.max_steps is not None and progress.step >= cfg.max_steps
         main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+        previous = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS} if main_thread else {}
         try:
             for epoch in range(first_epoch, cfg.epochs):
                 if done:
@@ -115,8 +123,7 @@ class Trainer:
                     if result.stop_requested or (mid_epoch and ((every and progress.step % every == 0) or done)):
                         self._checkpoint(started)
                     if result.stop_requested:
-                        logger.warning("SIGTERM: checkpoint written at step %d, stopping", progress.step)
-                        return self._finish(started, completed=False)
+                        return self._stop(started, signal.SIGINT if result.interrupted else signal.SIGTERM)
                 if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
                     break
                 if not cfg.eval_every_steps:
@@ -128,8 +135,8 @@ class Trainer:
             if not progress.eval_history or progress.eval_history[-1]["step"] != progress.step:
                 self._validate(started)  # the final model, whatever eval_every_steps is
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.recorder.stop()
         return self._finish(started)
 
@@ -153,13 +160,15 @@ class Trainer:
             with timer.phase("allreduce"):
                 allreduce_bytes = executor.synchronize()
         with timer.phase("control"):
-            control = gather_control(self.model, placement, loss_sum, stop=self._sigterm_received,
+            control = gather_control(self.model, placement, loss_sum, stop=self._stop_signal is not None,
+                                     interrupt=self._stop_signal == signal.SIGINT,
                                      previous_grads=self.freezer.previous_grads)
         control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
             self.optimizer.step(lr, control.total_grad_norm())
         norms, dots = self.freezer.observe(control)
-        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested)
+        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested,
+                          control.interrupted)
 
     def _freeze(self, epoch_end: bool) -> None:
         record = self.freezer.update(self.progress.step, self.progress.epoch, epoch_end, self.optimizer)
@@ -191,44 +200,88 @@ class Trainer:
             self.progress.checkpoints.append(record)
             self.recorder.checkpoint(record)
 
-    def _finish(self, started: float, completed: bool = True) -> dict[str, Any]:
+    def _stop(self, started: float, signum: signal.Signals) -> dict[str, Any]:
+        """A stop request, after its checkpoint: the summary says at which step and by which signal."""
+        step, checkpoints = self.progress.step, self.progress.checkpoints
+        checkpoint = checkpoints[-1]["path"] if checkpoints and checkpoints[-1]["step"] == step else None
+        if self.env.is_main:
+            logger.warning("%s: checkpoint written at step %d, stopping", signum.name, step)
+        return self._finish(started, completed=False,
+                            interrupted={"signal": signum.name, "step": step, "checkpoint": checkpoint})
+
+    def _finish(self, started: float, completed: bool = True,
+                interrupted: dict[str, Any] | None = None) -> dict[str, Any]:
         """The summary; a completed run also evaluates the test split (outside its wall time)."""
         summary = self.recorder.summary(self.progress, time.perf_counter() - started, self.task,
                                         fingerprints=self.layout.fingerprints(),
                                         memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
+        summary.update(self._data_record())
+        if interrupted is not None:
+            summary["interrupted"] = interrupted
         if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
             summary["freeze_outcome"] = self.freezer.policy.outcome()
             summary["freeze_prior"] = self.freezer.prior.describe()
             if self.env.is_main:
                 logger.info("freeze: %s", summary["freeze_outcome"])
-        if self.config.run.save_model:
-            self.checkpointer.save_model(self.state, self.run_dir)
+        best = self.checkpointer.best()
+        self.checkpointer.save_model(self.state, self.run_dir, optimizer=self.config.run.save_model, best=best)
         if completed:
-            result, samples = self.evaluator.test(self.test_set, self.checkpointer.best())
+            result, samples = self.evaluator.test(self.test_set, best)
             self.recorder.event("test", {"step": self.progress.step, **result})
             self.recorder.write_test_samples(self.task.metric, samples)
             summary.update(result)
         self.recorder.write_summary(summary)
         return summary
 
+    def _data_record(self) -> dict[str, Any]:
+        """What a model trained here needs to be used: the class names, in the order of the head's outputs, and for
+        images the normalization the pixels were given (``pipetransformer predict`` applies both)."""
+        record: dict[str, Any] = {"class_names": list(self.train_set.class_names)}
+        normalization = getattr(self.train_set, "normalization", None)
+        if normalization is not None:
+            record["image_normalization"] = {"mean": normalization[0], "std": normalization[1]}
+        return record
+
     def _total_samples(self) -> int:
-        """The learning-rate schedule's and the progress bar's length, in samples: steps are not known in advance
-        when the global batch grows with the width (keep_per_pipeline). max_steps only stops a run."""
+        """The learning-rate schedule's length, in samples: steps are not known in advance when the global batch
+        grows with the width (keep_per_pipeline). max_steps only stops a run (and shortens the bar)."""
         return len(self.train_set) * self.config.train.epochs
+
+    def _bar_samples(self) -> int:
+        """The progress bar's length: the schedule's samples, or fewer where train.max_steps stops the run first (at
+        the starting global batch: a batch that grows with the width ends the bar early)."""
+        max_steps = self.config.train.max_steps
+        total = self._total_samples()
+        return total if max_steps is None else min(total, max_steps * self.layout.global_batch())
+
+    def _say_when_max_steps_is_out_of_reach(self) -> None:
+        """A train.max_steps beyond the steps of train.epochs is never reached: say so before the first step."""
+        max_steps, epochs = self.config.train.max_steps, self.config.train.epochs
+        batch, samples = self.layout.global_batch(), len(self.train_set)
+        per_epoch = samples // batch if self.sampler.drop_last else math.ceil(samples / batch)
+        if max_steps is not None and max_steps > per_epoch * epochs:
+            logger.warning("train.max_steps=%d is more than the %d steps of train.epochs=%d (%d per epoch): the run "
+                           "ends after its epochs; raise train.epochs to train longer", max_steps,
+                           per_epoch * epochs, epochs, per_epoch)
 
     def _epoch_exhausted(self) -> bool:
         left = self.sampler.remaining()
         return left == 0 or (self.sampler.drop_last and left < self.layout.global_batch())
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Checkpoint at the next step boundary, then stop.
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT (Ctrl-C): checkpoint at the next step boundary, then stop.
 
         Only a request: the ranks agree on the step through the next control vector. Acting on it here
         directly would let a signal that lands between a step's control all-reduce and the stop check
-        stop this rank one step before the others, which then wait for it until the timeout.
+        stop this rank one step before the others, which then wait for it until the timeout. A second Ctrl-C
+        on a lone process stops it at once (KeyboardInterrupt); workers of a launcher may get each Ctrl-C twice
+        (from the terminal and forwarded by the launcher), so there the launcher decides when to stop hard.
         """
-        self._sigterm_received = True
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT and self.env.world_size == 1:
+            raise KeyboardInterrupt
+        if self._stop_signal != signal.SIGINT:  # an interrupt is what the user sees, whatever came first
+            self._stop_signal = signal.Signals(signum)
 
     def close(self) -> None:
         self.recorder.close()
