@@ -17,6 +17,7 @@ import pipetransformer.train.build as build_module
 from pipetransformer.config import load_config
 from pipetransformer.models import BlockSequence, build_model
 from pipetransformer.train import Trainer
+from pipetransformer.train.recorder import bar_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 BUFFER = "batches_seen"
@@ -108,7 +109,7 @@ def test_the_bar_ends_at_max_steps_and_a_max_steps_beyond_the_epochs_is_said(
     short = Trainer(load_config(ROOT / "configs" / "tiny_text.yaml", [f"run.dir={tmp_path / 'a'}",
                                                                       "train.max_steps=3"]))
     try:
-        assert short._bar_samples() == 3 * 32 < short._total_samples()
+        assert bar_samples(short._total_samples(), 3, short.layout.global_batch()) == 3 * 32 < short._total_samples()
     finally:
         short.close()
     with caplog.at_level("WARNING"):

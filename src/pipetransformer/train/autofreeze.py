@@ -113,6 +113,13 @@ class AutoFreeze:
         return {"step": step, "epoch": epoch, "frozen": sorted(decision.frozen),
                 **{k: v for k, v in decision.details.items() if _jsonable(v)}}
 
+    def summary(self, log: bool) -> dict[str, Any]:
+        """What froze, or why nothing did, and what the prior froze: a user should not have to read the traces."""
+        record = {"freeze_outcome": self.policy.outcome(), "freeze_prior": self.prior.describe()}
+        if log:
+            logger.info("freeze: %s", record["freeze_outcome"])
+        return record
+
     def window_record(self) -> dict[str, Any] | None:
         """The numbers of the decision window that ended at the last ``update`` (``None`` when none did), frozen
         or not: a run that froze nothing shows why in its metrics."""

@@ -12,8 +12,11 @@ different layers simply add up.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,7 @@ from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.elastic import Placement
 
-__all__ = ["ControlVector", "TrainingDivergedError", "gather_control"]
+__all__ = ["STOP_SIGNALS", "ControlVector", "StopSignals", "TrainingDivergedError", "gather_control"]
 
 
 class TrainingDivergedError(RuntimeError):
@@ -106,3 +109,39 @@ def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.T
     if placement.last_stage:
         control.loss[0] = loss_sum
     return control.all_reduce()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Each checkpoints at the next step and stops the run; SIGINT (Ctrl-C) makes the command exit 130."""
+
+
+class StopSignals:
+    """This rank's SIGTERM / SIGINT, recorded by a handler at any moment and acted on through the control vector.
+
+    Only a request: the ranks agree on the step through the next control vector. Acting on it in the handler
+    would let a signal that lands between a step's control all-reduce and the stop check stop this rank one step
+    before the others, which then wait for it until the timeout. A second Ctrl-C on a lone process stops it at
+    once (KeyboardInterrupt); workers of a launcher may get each Ctrl-C twice (from the terminal and forwarded by
+    the launcher), so there the launcher decides when to stop hard.
+    """
+
+    def __init__(self, *, lone_process: bool) -> None:
+        self.lone_process = lone_process
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> None:
+        """Handle the stop signals (only the main thread can set handlers; elsewhere nothing is installed)."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT and self.lone_process:
+            raise KeyboardInterrupt
+        if self.received != signal.SIGINT:  # an interrupt is what the user sees, whatever came first
+            self.received = signal.Signals(signum)

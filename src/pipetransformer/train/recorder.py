@@ -8,6 +8,9 @@ step is recorded once.
 
 from __future__ import annotations
 
+import logging
+import math
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +19,8 @@ from typing import Any
 import yaml
 
 from pipetransformer.cache.prefix import CacheMetrics
-from pipetransformer.config import Config, config_to_dict
+from pipetransformer.config import Config, TrainConfig, config_to_dict
+from pipetransformer.data.batch import IndexedDataset
 from pipetransformer.distributed import DistEnv
 from pipetransformer.metrics import TEST_SAMPLES_FILE, JsonlWriter, MetricsLog, StepTimer, truncate_log, write_json
 from pipetransformer.pipe.planner import LayoutPlan
@@ -24,12 +28,49 @@ from pipetransformer.train.state import Progress
 from pipetransformer.train.step import StepResult
 from pipetransformer.train.task import Task
 
-__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE"]
+__all__ = ["CONFIG_FILE", "RunRecorder", "SAMPLE_LOG_PREFIX", "SUMMARY_FILE", "bar_samples", "data_record", "stop_record",
+           "warn_if_max_steps_out_of_reach"]
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_LOG_PREFIX = "samples-rank"  # + rank + .jsonl (run.record_samples)
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 BAR_REFRESH_S = 1.0
+
+
+def data_record(train_set: IndexedDataset) -> dict[str, Any]:
+    """What a model trained here needs to be used: the class names, in the order of the head's outputs, and for
+    images the normalization the pixels were given (``pipetransformer predict`` applies both)."""
+    record: dict[str, Any] = {"class_names": list(train_set.class_names)}
+    normalization = getattr(train_set, "normalization", None)
+    if normalization is not None:
+        record["image_normalization"] = {"mean": normalization[0], "std": normalization[1]}
+    return record
+
+
+def bar_samples(schedule_samples: int, max_steps: int | None, global_batch: int) -> int:
+    """The progress bar's length: the schedule's samples, or fewer where train.max_steps stops the run first (at
+    the starting global batch: a batch that grows with the width ends the bar early)."""
+    return schedule_samples if max_steps is None else min(schedule_samples, max_steps * global_batch)
+
+
+def warn_if_max_steps_out_of_reach(train: TrainConfig, samples: int, global_batch: int, drop_last: bool) -> None:
+    """A train.max_steps beyond the steps of train.epochs is never reached: say so before the first step."""
+    per_epoch = samples // global_batch if drop_last else math.ceil(samples / global_batch)
+    if train.max_steps is not None and train.max_steps > per_epoch * train.epochs:
+        logger.warning("train.max_steps=%d is more than the %d steps of train.epochs=%d (%d per epoch): the run "
+                       "ends after its epochs; raise train.epochs to train longer", train.max_steps,
+                       per_epoch * train.epochs, train.epochs, per_epoch)
+
+
+def stop_record(progress: Progress, signum: signal.Signals, log: bool) -> dict[str, Any]:
+    """A run stopped by a signal after its checkpoint: at which step, by which signal, and that checkpoint."""
+    step, checkpoints = progress.step, progress.checkpoints
+    checkpoint = checkpoints[-1]["path"] if checkpoints and checkpoints[-1]["step"] == step else None
+    if log:
+        logger.warning("%s: checkpoint written at step %d, stopping", signum.name, step)
+    return {"signal": signum.name, "step": step, "checkpoint": checkpoint}
 
 
 class RunRecorder:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import signal
-import threading
 import time
 from typing import Any
 
@@ -27,11 +26,12 @@ from pipetransformer.train.autofreeze import AutoFreeze
 from pipetransformer.train.build import (build_blocks, check_data_fits_model, describe_model, load_splits,
                                          resolve_run_dir, seed_everything)
 from pipetransformer.train.checkpointer import Checkpointer
-from pipetransformer.train.control import gather_control
+from pipetransformer.train.control import StopSignals, gather_control
 from pipetransformer.train.elastic import ElasticLayout
 from pipetransformer.train.evaluator import Evaluator
 from pipetransformer.train.optimizer import HeldOptimizer
-from pipetransformer.train.recorder import RunRecorder
+from pipetransformer.train.recorder import (RunRecorder, bar_samples, data_record, stop_record,
+                                            warn_if_max_steps_out_of_reach)
 from pipetransformer.train.state import Progress, TrainState
 from pipetransformer.train.step import StepContext, StepResult
 from pipetransformer.train.task import Task, classification
@@ -41,8 +41,6 @@ __all__ = ["Trainer", "train"]
 logger = logging.getLogger(__name__)
 
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""Each checkpoints at the next step and stops the run; SIGINT (Ctrl-C) makes the command exit 130."""
 
 
 class Trainer:
@@ -81,21 +79,22 @@ class Trainer:
         self.layout.follow(self.freezer, self.optimizer, self.progress)
         self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
                                     cache_metrics=self.cache.metrics)
-        self._stop_signal: signal.Signals | None = None  # this rank's SIGTERM/SIGINT, set by the handler at any moment
+        self.stop_signals = StopSignals(lone_process=env.world_size == 1)
         self.recorder.write_config(config)
 
     def fit(self) -> dict[str, Any]:
         cfg, progress = self.config.train, self.progress
         started = time.perf_counter() - progress.elapsed_before_s
         timer = StepTimer(self.env.device)
+        batch = self.layout.global_batch()
         if self.env.is_main:
-            self._say_when_max_steps_is_out_of_reach()
-        self.recorder.start(started, self._bar_samples(), self.state.samples_done())
+            warn_if_max_steps_out_of_reach(cfg, len(self.train_set), batch, self.sampler.drop_last)
+        self.recorder.start(started, bar_samples(self._total_samples(), cfg.max_steps, batch),
+                            self.state.samples_done())
         resumed_mid_epoch = progress.step > 0 and not progress.epoch_done
         first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
         done = cfg.max_steps is not None and progress.step >= cfg.max_steps
-        main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-        previous = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS} if main_thread else {}
+        self.stop_signals.install()
         try:
             for epoch in range(first_epoch, cfg.epochs):
                 if done:
@@ -135,8 +134,7 @@ class Trainer:
             if not progress.eval_history or progress.eval_history[-1]["step"] != progress.step:
                 self._validate(started)  # the final model, whatever eval_every_steps is
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            self.stop_signals.restore()
             self.recorder.stop()
         return self._finish(started)
 
@@ -160,8 +158,8 @@ class Trainer:
             with timer.phase("allreduce"):
                 allreduce_bytes = executor.synchronize()
         with timer.phase("control"):
-            control = gather_control(self.model, placement, loss_sum, stop=self._stop_signal is not None,
-                                     interrupt=self._stop_signal == signal.SIGINT,
+            control = gather_control(self.model, placement, loss_sum, stop=self.stop_signals.received is not None,
+                                     interrupt=self.stop_signals.received == signal.SIGINT,
                                      previous_grads=self.freezer.previous_grads)
         control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
@@ -202,12 +200,7 @@ class Trainer:
 
     def _stop(self, started: float, signum: signal.Signals) -> dict[str, Any]:
         """A stop request, after its checkpoint: the summary says at which step and by which signal."""
-        step, checkpoints = self.progress.step, self.progress.checkpoints
-        checkpoint = checkpoints[-1]["path"] if checkpoints and checkpoints[-1]["step"] == step else None
-        if self.env.is_main:
-            logger.warning("%s: checkpoint written at step %d, stopping", signum.name, step)
-        return self._finish(started, completed=False,
-                            interrupted={"signal": signum.name, "step": step, "checkpoint": checkpoint})
+        return self._finish(started, completed=False, interrupted=stop_record(self.progress, signum, self.env.is_main))
 
     def _finish(self, started: float, completed: bool = True,
                 interrupted: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -216,14 +209,11 @@ class Trainer:
                                         fingerprints=self.layout.fingerprints(),
                                         memory=gather_floats([self.rss_before_model, peak_rss_bytes()]),
                                         freeze_cap_binds=self.freezer.policy.cap_binds, world_size=self.env.world_size)
-        summary.update(self._data_record())
+        summary.update(data_record(self.train_set))
         if interrupted is not None:
             summary["interrupted"] = interrupted
-        if self.config.freeze.enabled:  # what froze, or why nothing did: a user should not have to read the traces
-            summary["freeze_outcome"] = self.freezer.policy.outcome()
-            summary["freeze_prior"] = self.freezer.prior.describe()
-            if self.env.is_main:
-                logger.info("freeze: %s", summary["freeze_outcome"])
+        if self.config.freeze.enabled:
+            summary.update(self.freezer.summary(log=self.env.is_main))
         best = self.checkpointer.best()
         self.checkpointer.save_model(self.state, self.run_dir, optimizer=self.config.run.save_model, best=best)
         if completed:
@@ -234,54 +224,13 @@ class Trainer:
         self.recorder.write_summary(summary)
         return summary
 
-    def _data_record(self) -> dict[str, Any]:
-        """What a model trained here needs to be used: the class names, in the order of the head's outputs, and for
-        images the normalization the pixels were given (``pipetransformer predict`` applies both)."""
-        record: dict[str, Any] = {"class_names": list(self.train_set.class_names)}
-        normalization = getattr(self.train_set, "normalization", None)
-        if normalization is not None:
-            record["image_normalization"] = {"mean": normalization[0], "std": normalization[1]}
-        return record
-
     def _total_samples(self) -> int:
-        """The learning-rate schedule's length, in samples: steps are not known in advance when the global batch
-        grows with the width (keep_per_pipeline). max_steps only stops a run (and shortens the bar)."""
+        """The learning-rate schedule's length in samples (a batch growing with the width makes steps unknown)."""
         return len(self.train_set) * self.config.train.epochs
-
-    def _bar_samples(self) -> int:
-        """The progress bar's length: the schedule's samples, or fewer where train.max_steps stops the run first (at
-        the starting global batch: a batch that grows with the width ends the bar early)."""
-        max_steps = self.config.train.max_steps
-        total = self._total_samples()
-        return total if max_steps is None else min(total, max_steps * self.layout.global_batch())
-
-    def _say_when_max_steps_is_out_of_reach(self) -> None:
-        """A train.max_steps beyond the steps of train.epochs is never reached: say so before the first step."""
-        max_steps, epochs = self.config.train.max_steps, self.config.train.epochs
-        batch, samples = self.layout.global_batch(), len(self.train_set)
-        per_epoch = samples // batch if self.sampler.drop_last else math.ceil(samples / batch)
-        if max_steps is not None and max_steps > per_epoch * epochs:
-            logger.warning("train.max_steps=%d is more than the %d steps of train.epochs=%d (%d per epoch): the run "
-                           "ends after its epochs; raise train.epochs to train longer", max_steps,
-                           per_epoch * epochs, epochs, per_epoch)
 
     def _epoch_exhausted(self) -> bool:
         left = self.sampler.remaining()
         return left == 0 or (self.sampler.drop_last and left < self.layout.global_batch())
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        """SIGTERM or SIGINT (Ctrl-C): checkpoint at the next step boundary, then stop.
-
-        Only a request: the ranks agree on the step through the next control vector. Acting on it here
-        directly would let a signal that lands between a step's control all-reduce and the stop check
-        stop this rank one step before the others, which then wait for it until the timeout. A second Ctrl-C
-        on a lone process stops it at once (KeyboardInterrupt); workers of a launcher may get each Ctrl-C twice
-        (from the terminal and forwarded by the launcher), so there the launcher decides when to stop hard.
-        """
-        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT and self.env.world_size == 1:
-            raise KeyboardInterrupt
-        if self._stop_signal != signal.SIGINT:  # an interrupt is what the user sees, whatever came first
-            self._stop_signal = signal.Signals(signum)
 
     def close(self) -> None:
         self.recorder.close()
