@@ -186,8 +186,12 @@ def _train(config: Any) -> tuple[dict[str, Any], float]:
 
     from pipetransformer.train import train
 
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     summary = train(config)
+    if not cuda:
+        return summary, math.nan
     torch.cuda.synchronize()
     return summary, float(torch.cuda.max_memory_allocated())
 
@@ -201,7 +205,7 @@ def step_train(out: Path, name: str) -> dict[str, Any]:
     run_dir = out / "run"
     summary, peak = _train(configs_of(f"train_{name}", run_dir)[0])
     return {"samples_per_s": summary.get("samples_per_s"), "test_accuracy": summary.get("test_accuracy"),
-            "freeze_outcome": summary.get("freeze_outcome"), "frozen_layers": len(summary.get("freeze_decisions", [])),
+            "freeze_outcome": summary.get("freeze_outcome"), "freeze_decisions": len(summary.get("freeze_decisions", [])),
             "layouts": summary.get("layout_history"), "peak_cuda_gib": peak / GIB,
             "settled_step_ms": 1e3 * _settled_step_s(run_dir)}
 
