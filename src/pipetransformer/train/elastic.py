@@ -206,6 +206,11 @@ class ElasticLayout:
             self.initial_width = state["initial_width"]
 
     def close(self) -> None:
+        """Remove the step's autograd hooks (they and the parameters hold each other out of the garbage
+        collector's sight, and with them the data-parallel group), then destroy the groups."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
         self._destroy_groups()
 
     def _destroy_groups(self) -> None:
