@@ -337,7 +337,7 @@ def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir
                          [*task.data, f"seed={seed}", *member.overrides], nproc=member.nproc)
 
 
-def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str) -> str:
+def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str, stem: str) -> str:
     sections, payload = [], {"split": split, "machine": machine_info(), "tasks": {}}
     RESULTS.mkdir(exist_ok=True)
     for name in names:
@@ -350,7 +350,7 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
     markdown = "\n".join([f"# AutoFreeze frontier ({split} split)", "",
                           f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py --report --split {split}`", "",
                           "Machine: " + ", ".join(f"{k} {v}" for k, v in payload["machine"].items()), "", *sections])
-    write_results(RESULTS, f"frontier-{split}", markdown, payload)
+    write_results(RESULTS, f"{stem}-{split}", markdown, payload)
     return markdown
 
 
@@ -368,13 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = frontier_tasks(args.runs_dir)
     if args.quick:
         _run(tasks["quick"], [0], args.arms or QUICK_ARMS, args.runs_dir)
-        print(_report(tasks, ["quick"], args.runs_dir, args.split))
+        print(_report(tasks, ["quick"], args.runs_dir, args.split, "frontier-quick"))
         return 0
     if args.task:
         task = tasks[args.task]
         _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), args.runs_dir)
     if args.report or args.task:
-        print(_report(tasks, [name for name in FRONTIER_TASKS[1:]], args.runs_dir, args.split))
+        print(_report(tasks, list(FRONTIER_TASKS[1:]), args.runs_dir, args.split, "frontier"))
         return 0
     parser.print_usage()
     return 2
