@@ -213,10 +213,10 @@ def step_train(out: Path, name: str) -> dict[str, Any]:
 def _predictions(config: Any) -> dict[str, Any]:
     """The planner's memory and step time for the config's one-GPU layout, from a profile on this GPU, and the
     step simulator's step time from the cluster preset's datasheet speeds (nothing measured)."""
-    from pipetransformer.pipe.cluster import PRESETS, cluster_from_mapping
+    from pipetransformer.plan.cluster import PRESETS, cluster_from_mapping
     from pipetransformer.pipe.cost import Precision
-    from pipetransformer.pipe.levers import LeverSettings, simulate_layout
-    from pipetransformer.planning import _spec_from_config, plan_report, profiled_costs
+    from pipetransformer.plan.levers import LeverSettings, simulate_layout
+    from pipetransformer.plan.command import _spec_from_config, plan_report, profiled_costs
 
     costs, _, names = profiled_costs(config, 1)
     planned = plan_report(config, 1, costs, names)
@@ -325,8 +325,8 @@ def dry_run(selected: list[Step], work: Path) -> int:
     """List the steps; import what they use and build and validate every config they train. No GPU work."""
     import importlib
 
-    for module in ("torch", "torch.distributed", "pipetransformer.train", "pipetransformer.planning",
-                   "pipetransformer.pipe.cluster", "pipetransformer.pipe.levers", "pipetransformer.pipe.simulate"):
+    for module in ("torch", "torch.distributed", "pipetransformer.train", "pipetransformer.plan.command",
+                   "pipetransformer.plan.cluster", "pipetransformer.plan.levers", "pipetransformer.plan.simulate"):
         importlib.import_module(module)
     for step in selected:
         step_function(step.name)
@@ -343,9 +343,9 @@ def dry_run(selected: list[Step], work: Path) -> int:
 
 def _spec_from_config_checked(config: Any) -> None:
     """The simulator's analytic model of a bench config exists (it is what the step compares against)."""
-    from pipetransformer.pipe.cluster import PRESETS, cluster_from_mapping
+    from pipetransformer.plan.cluster import PRESETS, cluster_from_mapping
     from pipetransformer.pipe.cost import Precision
-    from pipetransformer.planning import _spec_from_config
+    from pipetransformer.plan.command import _spec_from_config
 
     cluster = cluster_from_mapping({**PRESETS[CLUSTER_PRESET], "devices_per_node": 1}, source=CLUSTER_PRESET)
     assert _spec_from_config(config).costs(cluster.device, Precision(config.train.precision)) is not None

@@ -224,7 +224,8 @@ def new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | No
         if len(ranks) < 2:
             continue
         group = dist.new_group(ranks)
-        _created_groups.add(group)
+        if isinstance(group, dist.ProcessGroup):  # a rank outside ``ranks`` gets a non-member marker, not a group
+            _created_groups.add(group)
         if rank in ranks:
             mine = group
     return mine
