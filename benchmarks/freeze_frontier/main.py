@@ -99,6 +99,8 @@ ARMS: dict[str, Member] = {
     "default": Member("all", (NO_BUDGET,)),
 }
 QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
+MAX_SEED = 16
+"""The report looks for seeds below this (or the task's own count, if larger): launches may add seeds beyond it."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,7 @@ def _collect(task: FrontierTask, runs_dir: Path) -> dict[str, dict[int, RunResul
     """Every finished run of the task's arms in its runs directory, whichever launch made it."""
     found: dict[str, dict[int, RunResult]] = {}
     for name in ARMS:
-        for seed in range(max(task.seeds, 16)):
+        for seed in range(max(task.seeds, MAX_SEED)):
             result = finished_run(name, seed, runs_dir / task.name)
             if result is not None:
                 found.setdefault(name, {})[seed] = result
@@ -372,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.task:
         task = tasks[args.task]
+        if args.seeds and not all(0 <= seed < max(task.seeds, MAX_SEED) for seed in args.seeds):
+            parser.error(f"--seeds must be in 0..{max(task.seeds, MAX_SEED) - 1}, the seeds the report reads")
         _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), args.runs_dir)
     if args.report or args.task:
         print(_report(tasks, list(FRONTIER_TASKS[1:]), args.runs_dir, args.split, "frontier"))
