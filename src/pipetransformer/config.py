@@ -12,6 +12,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +44,13 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.splitlines()))
+
+
+def _require(rule: str, holds: Callable[[Any], bool], values: dict[str, Any]) -> None:
+    """Raise for the first ``key: value`` that breaks ``rule`` (the words the error gives, e.g. ``>= 1 or null``)."""
+    for key, value in values.items():
+        if not holds(value):
+            raise ConfigError(f"{key} must be {rule}, got {value}")
 
 
 class _Loader(yaml.SafeLoader):
@@ -274,43 +282,35 @@ class Config:
 
     def validate(self) -> None:
         """Cross-field checks that single field types cannot express."""
-        positive = {
+        _require(">= 1", lambda value: value >= 1, {
             "train.epochs": self.train.epochs,
             "train.batch_size": self.train.batch_size,
             "train.eval_batch_size": self.train.eval_batch_size,
             "data.max_length": self.data.max_length,
             "run.log_every": self.run.log_every,
             "checkpoint.keep": self.checkpoint.keep,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{key} must be >= 1, got {value}")
-        for key, value in {
+        })
+        _require(">= 1 or null", lambda value: value is None or value >= 1, {
             "train.max_steps": self.train.max_steps,
             "data.max_train_samples": self.data.max_train_samples,
             "data.max_eval_samples": self.data.max_eval_samples,
             "data.max_test_samples": self.data.max_test_samples,
             "train.eval_every_steps": self.train.eval_every_steps,
             "checkpoint.every_steps": self.checkpoint.every_steps,
-        }.items():
-            if value is not None and value < 1:
-                raise ConfigError(f"{key} must be >= 1 or null, got {value}")
-        for key, number in {
+            "dist.threads_per_worker": self.dist.threads_per_worker,
+        })
+        _require("> 0", lambda value: value > 0, {
             "train.lr": self.train.lr,
             "dist.timeout_s": self.dist.timeout_s,
             "pipe.link_bandwidth_gbps": self.pipe.link_bandwidth_gbps,
             "dp.bucket_mib": self.dp.bucket_mib,
-        }.items():
-            if number <= 0:
-                raise ConfigError(f"{key} must be > 0, got {number}")
+        })
         if self.train.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
         if not 0.0 <= self.train.momentum < 1.0:
             raise ConfigError(f"train.momentum must be in [0, 1), got {self.train.momentum}")
         if self.train.grad_clip is not None and self.train.grad_clip <= 0:
             raise ConfigError(f"train.grad_clip must be > 0, or null for no clipping, got {self.train.grad_clip}")
-        if self.dist.threads_per_worker is not None and self.dist.threads_per_worker < 1:
-            raise ConfigError(f"dist.threads_per_worker must be >= 1 or null, got {self.dist.threads_per_worker}")
         if not 0.0 < self.train.layer_lr_decay <= 1.0:
             raise ConfigError(f"train.layer_lr_decay must be in (0, 1] (1 = every block at train.lr), "
                               f"got {self.train.layer_lr_decay}")
@@ -375,6 +375,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_SCALARS: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+    type(None): ("null", lambda value: value is None),
+    bool: ("true or false", lambda value: isinstance(value, bool)),
+    int: ("an integer", lambda value: isinstance(value, int) and not isinstance(value, bool)),
+    str: ("a string", lambda value: isinstance(value, str)),
+}
+"""Field types taken as they are, each with the words its error gives and the values it accepts."""
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
@@ -394,28 +403,17 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{key}: {value!r} is not allowed (allowed: {_type_name(tp)})")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{key}: expected null, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
+    if tp in _SCALARS:
+        expected, accepts = _SCALARS[tp]
+        if accepts(value):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise ConfigError(f"{key}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

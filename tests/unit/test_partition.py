@@ -17,10 +17,9 @@ from pipetransformer.pipe.cost import (
     Link,
     analytic_costs,
     as_trained,
-    block_fixed_seconds,
     block_forward_seconds,
     block_memory,
-    block_seconds_per_sample,
+    block_seconds,
     recomputed,
     stage_memory,
     stage_time,
@@ -60,9 +59,9 @@ def uniform(
 
 def test_block_costs_by_state() -> None:
     cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=10, param_bytes=100, activation_bytes=7)
-    assert block_seconds_per_sample(cost, A) == 3.0
-    assert block_seconds_per_sample(cost, F) == 1.0
-    assert block_seconds_per_sample(cost, C) == 0.0
+    assert block_seconds(cost, A)[0] == 3.0
+    assert block_seconds(cost, F)[0] == 1.0
+    assert block_seconds(cost, C)[0] == 0.0
     # params + grads + 2 AdamW moments + activations of 4 samples x 3 micro-batches in flight
     assert block_memory(cost, A, micro_batch_size=4, in_flight_micro_batches=3) == 100 * 4 + 7 * 4 * 3
     assert block_memory(cost, A, micro_batch_size=4, optimizer_state_factor=0) == 100 * 2 + 7 * 4
@@ -96,7 +95,7 @@ def test_costs_per_call_count_once_per_micro_batch() -> None:
     cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0,
                      forward_fixed_s=5.0, backward_fixed_s=7.0)
     assert cost.seconds(3) == (8.0, 13.0)
-    assert (block_fixed_seconds(cost, A), block_fixed_seconds(cost, F), block_fixed_seconds(cost, C)) == (12, 5, 0)
+    assert (block_seconds(cost, A)[1], block_seconds(cost, F)[1], block_seconds(cost, C)[1]) == (12, 5, 0)
     timing = stage_timing([cost] * 3, [C, F, A], 1, 3, Link(math.inf, latency_s=0.5))
     # a frozen block's forward and an active one's both passes; no input message (the cache feeds the stage)
     assert (timing.seconds_per_sample, timing.fixed_s) == (1.0 + 3.0, 5.0 + 12.0 + 0.0)
@@ -107,8 +106,8 @@ def test_costs_per_call_count_once_per_micro_batch() -> None:
 def test_a_frozen_block_costs_its_frozen_forward() -> None:
     cost = BlockCost(forward_s=1.0, backward_s=2.0, output_bytes=0, param_bytes=0, activation_bytes=0,
                      forward_fixed_s=5.0, backward_fixed_s=7.0, frozen_forward_s=0.75, frozen_forward_fixed_s=4.0)
-    assert (block_seconds_per_sample(cost, F), block_fixed_seconds(cost, F)) == (0.75, 4.0)
-    assert (block_seconds_per_sample(cost, A), block_fixed_seconds(cost, A)) == (3.0, 12.0), "training: unchanged"
+    assert block_seconds(cost, F) == (0.75, 4.0)
+    assert block_seconds(cost, A) == (3.0, 12.0), "training: unchanged"
     assert [block_forward_seconds(cost, state, 4) for state in (A, F, C)] == [9.0, 7.0, 0.0]
     timing = stage_timing([cost] * 2, [F, A], 0, 2, Link(math.inf, latency_s=0.0))
     assert (timing.seconds_per_sample, timing.fixed_s) == (0.75 + 3.0, 4.0 + 12.0)

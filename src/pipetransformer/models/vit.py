@@ -122,18 +122,8 @@ def vit_image_shape(vit: dict[str, Any]) -> tuple[int, int, int] | None:
     return channels, size, size
 
 
-def build_vit(
-    *,
-    image_size: int,
-    patch_size: int,
-    in_channels: int,
-    dim: int,
-    depth: int,
-    heads: int,
-    num_classes: int,
-    mlp_ratio: float = DEFAULT_MLP_RATIO,
-    dropout: float = DEFAULT_DROPOUT,
-) -> BlockSequence:
+def build_vit(*, image_size: int, patch_size: int, in_channels: int, dim: int, depth: int, heads: int, num_classes: int,
+              mlp_ratio: float = DEFAULT_MLP_RATIO, dropout: float = DEFAULT_DROPOUT) -> BlockSequence:
     """A randomly initialised ViT classifier: ``patch embeddings, depth layers, norm + class token + linear``; its
     settings are checked first, each error naming the values that would work."""
     sizes = {

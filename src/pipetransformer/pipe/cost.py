@@ -32,10 +32,9 @@ __all__ = [
     "analytic_costs",
     "as_trained",
     "analytic_work",
-    "block_fixed_seconds",
     "block_forward_seconds",
     "block_memory",
-    "block_seconds_per_sample",
+    "block_seconds",
     "costs_from_work",
     "recomputed",
     "stage_memory",
@@ -252,21 +251,13 @@ def as_trained(costs: Sequence[BlockCost], states: Sequence[BlockState]) -> list
     return costs
 
 
-def block_seconds_per_sample(cost: BlockCost, state: BlockState) -> float:
+def block_seconds(cost: BlockCost, state: BlockState) -> tuple[float, float]:
+    """Seconds ``cost`` takes in ``state`` per sample, and what it adds to every micro-batch whatever its size."""
     if state is BlockState.ACTIVE:
-        return cost.forward_s + cost.backward_s
+        return cost.forward_s + cost.backward_s, cost.forward_fixed_s + cost.backward_fixed_s
     if state is BlockState.FROZEN:
-        return cost.frozen_forward[0]
-    return 0.0
-
-
-def block_fixed_seconds(cost: BlockCost, state: BlockState) -> float:
-    """What ``cost`` adds to every micro-batch in ``state``, whatever its size."""
-    if state is BlockState.ACTIVE:
-        return cost.forward_fixed_s + cost.backward_fixed_s
-    if state is BlockState.FROZEN:
-        return cost.frozen_forward[1]
-    return 0.0
+        return cost.frozen_forward
+    return 0.0, 0.0
 
 
 def block_forward_seconds(cost: BlockCost, state: BlockState, samples: int) -> float:
@@ -278,14 +269,8 @@ def block_forward_seconds(cost: BlockCost, state: BlockState, samples: int) -> f
     return 0.0
 
 
-def block_memory(
-    cost: BlockCost,
-    state: BlockState,
-    *,
-    micro_batch_size: int,
-    optimizer_state_factor: int = ADAMW_STATE_FACTOR,
-    in_flight_micro_batches: int = 1,
-) -> int:
+def block_memory(cost: BlockCost, state: BlockState, *, micro_batch_size: int,
+                 optimizer_state_factor: int = ADAMW_STATE_FACTOR, in_flight_micro_batches: int = 1) -> int:
     """Bytes a block occupies on its device while training.
 
     Active: parameters, their gradients, optimizer state, and the activations of every micro-batch
@@ -317,8 +302,9 @@ def stage_timing(
     if not 0 <= start < end <= len(costs):
         raise ValueError(f"stage bounds must satisfy 0 <= start < end <= {len(costs)}, got ({start}, {end})")
     costs = as_trained(costs, states)
-    per_sample = sum(block_seconds_per_sample(costs[i], states[i]) for i in range(start, end))
-    fixed = sum(block_fixed_seconds(costs[i], states[i]) for i in range(start, end))
+    terms = [block_seconds(costs[i], states[i]) for i in range(start, end)]
+    per_sample = sum(each for each, _ in terms)
+    fixed = sum(each for _, each in terms)
     boundaries = []
     if start > 0 and states[start - 1] is not BlockState.CACHED:
         boundaries.append(start)
@@ -344,16 +330,9 @@ def stage_time(
     return stage_timing(costs, states, start, end, link).at(micro_batch_size)
 
 
-def stage_memory(
-    costs: Sequence[BlockCost],
-    states: Sequence[BlockState],
-    start: int,
-    end: int,
-    *,
-    micro_batch_size: int,
-    optimizer_state_factor: int = ADAMW_STATE_FACTOR,
-    in_flight_micro_batches: int = 1,
-) -> int:
+def stage_memory(costs: Sequence[BlockCost], states: Sequence[BlockState], start: int, end: int, *,
+                 micro_batch_size: int, optimizer_state_factor: int = ADAMW_STATE_FACTOR,
+                 in_flight_micro_batches: int = 1) -> int:
     """The blocks' memory (:func:`block_memory`) plus the largest activations one recomputed block
     rebuilds for one micro-batch in its backward (they are freed before the next block's backward)."""
     rebuilt = max((costs[i].recompute_bytes for i in range(start, end) if states[i] is BlockState.ACTIVE), default=0)

@@ -138,17 +138,9 @@ def _min_max_split(
     return optimum, starts[::-1]
 
 
-def partition(
-    costs: Sequence[BlockCost],
-    states: Sequence[BlockState],
-    num_stages: int,
-    *,
-    micro_batch_size: int,
-    memory_budget_bytes: float,
-    link: Link,
-    optimizer_state_factor: int = ADAMW_STATE_FACTOR,
-    in_flight_micro_batches: int = 1,
-) -> Partition:
+def partition(costs: Sequence[BlockCost], states: Sequence[BlockState], num_stages: int, *, micro_batch_size: int,
+              memory_budget_bytes: float, link: Link, optimizer_state_factor: int = ADAMW_STATE_FACTOR,
+              in_flight_micro_batches: int = 1) -> Partition:
     """The contiguous split of the uncached blocks into ``num_stages`` stages with the fastest slowest
     stage (compute plus its boundary messages), every stage within ``memory_budget_bytes``
     (``math.inf``: unlimited).
@@ -328,16 +320,9 @@ def choose_micro_batches(
 
 
 def choose_partition_and_micro_batches(
-    costs: Sequence[BlockCost],
-    states: Sequence[BlockState],
-    num_stages: int,
-    batch_size: int,
-    *,
-    memory_budget_bytes: float,
-    link: Link,
-    per_microbatch_overhead_s: float,
-    optimizer_state_factor: int = ADAMW_STATE_FACTOR,
-    max_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR,
+    costs: Sequence[BlockCost], states: Sequence[BlockState], num_stages: int, batch_size: int, *,
+    memory_budget_bytes: float, link: Link, per_microbatch_overhead_s: float,
+    optimizer_state_factor: int = ADAMW_STATE_FACTOR, max_factor: int = DEFAULT_MAX_MICRO_BATCH_FACTOR,
 ) -> tuple[Partition, MicroBatchPlan]:
     """1F1B: the partition and micro-batch count M with the lowest predicted step time, chosen together.
 

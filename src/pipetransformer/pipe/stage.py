@@ -8,6 +8,7 @@ sequence, rounded up to a bucket, so there are few shapes) and reused.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,18 +44,19 @@ class StageModule(nn.Module):
         return tuple(t.contiguous() for t in out)
 
 
+@dataclass(eq=False)
 class PipelineRunner:
     """Runs one training step of this rank's stage under a GPipe or 1F1B schedule."""
 
-    def __init__(self, module: StageModule, stage_index: int, num_stages: int, device: torch.device,
-                 group: dist.ProcessGroup, loss_fn: LossFn) -> None:
-        self.module = module
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.device = device
-        self.group = group
-        self.loss_fn = loss_fn
-        self._schedules: dict[tuple[object, ...], object] = {}
+    module: StageModule
+    stage_index: int
+    num_stages: int
+    device: torch.device
+    group: dist.ProcessGroup
+    loss_fn: LossFn
+    _schedules: dict[tuple[object, ...], object] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
         # Imported when a pipeline is built (before a run's clock starts), not with this module: ~2 s of a 2-core VM
         # that processes which never pipeline skip (the launcher's pre-flight child, one worker, replicas alone).
         from torch.distributed import pipelining

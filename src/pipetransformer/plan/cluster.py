@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -222,35 +222,45 @@ H100_BF16_TFLOPS = 989.0
 H100_MEMORY_GB_S = 3350.0
 """Datasheet peaks (dense tensor-core rates for bf16)."""
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "paper": {
-        "name": "paper", "nodes": 2, "devices_per_node": 8, "device": "Quadro RTX 5000", "memory_gb": 16.0,
-        "fp32_tflops": RTX5000_FP32_TFLOPS * COMPUTE_EFFICIENCY, "bf16_tflops": None,
-        "memory_bandwidth_gb_s": RTX5000_MEMORY_GB_S * MEMORY_EFFICIENCY,
-        "intra_node_gb_s": PCIE3_X16_GB_S * LINK_EFFICIENCY, "intra_node_latency_us": PCIE_LATENCY_US,
-        "inter_node_gb_s": PAPER_INFINIBAND_GB_S, "inter_node_latency_us": INFINIBAND_LATENCY_US,
-        "host_to_device_gb_s": PCIE3_X16_GB_S * LINK_EFFICIENCY,
+class _Datasheet(NamedTuple):
+    """One built-in GPU node type: datasheet peaks (links one direction) that :func:`_preset` derates."""
+
+    name: str
+    nodes: int
+    device: str
+    memory_gb: float
+    fp32_tflops: float
+    bf16_tflops: float | None
+    memory_gb_s: float
+    intra_node_gb_s: float
+    intra_node_latency_us: float
+    inter_node_achieved_gb_s: float
+    host_to_device_gb_s: float
+
+
+def _preset(sheet: _Datasheet) -> dict[str, Any]:
+    """The cluster file's fields for a node type, with the assumed efficiencies applied."""
+    return {
+        "name": sheet.name, "nodes": sheet.nodes, "devices_per_node": 8, "device": sheet.device,
+        "memory_gb": sheet.memory_gb, "fp32_tflops": sheet.fp32_tflops * COMPUTE_EFFICIENCY,
+        "bf16_tflops": None if sheet.bf16_tflops is None else sheet.bf16_tflops * COMPUTE_EFFICIENCY,
+        "memory_bandwidth_gb_s": sheet.memory_gb_s * MEMORY_EFFICIENCY,
+        "intra_node_gb_s": sheet.intra_node_gb_s * LINK_EFFICIENCY,
+        "intra_node_latency_us": sheet.intra_node_latency_us,
+        "inter_node_gb_s": sheet.inter_node_achieved_gb_s, "inter_node_latency_us": INFINIBAND_LATENCY_US,
+        "host_to_device_gb_s": sheet.host_to_device_gb_s * LINK_EFFICIENCY,
         "micro_batch_overhead_ms": GPU_MICRO_BATCH_OVERHEAD_MS,
-    },
-    "a100x8": {
-        "name": "a100x8", "nodes": 1, "devices_per_node": 8, "device": "A100-SXM4-80GB", "memory_gb": 80.0,
-        "fp32_tflops": A100_FP32_TFLOPS * COMPUTE_EFFICIENCY, "bf16_tflops": A100_BF16_TFLOPS * COMPUTE_EFFICIENCY,
-        "memory_bandwidth_gb_s": A100_MEMORY_GB_S * MEMORY_EFFICIENCY,
-        "intra_node_gb_s": NVLINK3_GB_S * LINK_EFFICIENCY, "intra_node_latency_us": NVLINK_LATENCY_US,
-        "inter_node_gb_s": HDR_INFINIBAND_GB_S * LINK_EFFICIENCY, "inter_node_latency_us": INFINIBAND_LATENCY_US,
-        "host_to_device_gb_s": PCIE4_X16_GB_S * LINK_EFFICIENCY,
-        "micro_batch_overhead_ms": GPU_MICRO_BATCH_OVERHEAD_MS,
-    },
-    "h100x8": {
-        "name": "h100x8", "nodes": 1, "devices_per_node": 8, "device": "H100-SXM5-80GB", "memory_gb": 80.0,
-        "fp32_tflops": H100_FP32_TFLOPS * COMPUTE_EFFICIENCY, "bf16_tflops": H100_BF16_TFLOPS * COMPUTE_EFFICIENCY,
-        "memory_bandwidth_gb_s": H100_MEMORY_GB_S * MEMORY_EFFICIENCY,
-        "intra_node_gb_s": NVLINK4_GB_S * LINK_EFFICIENCY, "intra_node_latency_us": NVLINK_LATENCY_US,
-        "inter_node_gb_s": NDR_INFINIBAND_GB_S * LINK_EFFICIENCY, "inter_node_latency_us": INFINIBAND_LATENCY_US,
-        "host_to_device_gb_s": PCIE5_X16_GB_S * LINK_EFFICIENCY,
-        "micro_batch_overhead_ms": GPU_MICRO_BATCH_OVERHEAD_MS,
-    },
-}
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {sheet.name: _preset(sheet) for sheet in (
+    _Datasheet("paper", 2, "Quadro RTX 5000", 16.0, RTX5000_FP32_TFLOPS, None, RTX5000_MEMORY_GB_S,
+               PCIE3_X16_GB_S, PCIE_LATENCY_US, PAPER_INFINIBAND_GB_S, PCIE3_X16_GB_S),
+    _Datasheet("a100x8", 1, "A100-SXM4-80GB", 80.0, A100_FP32_TFLOPS, A100_BF16_TFLOPS, A100_MEMORY_GB_S,
+               NVLINK3_GB_S, NVLINK_LATENCY_US, HDR_INFINIBAND_GB_S * LINK_EFFICIENCY, PCIE4_X16_GB_S),
+    _Datasheet("h100x8", 1, "H100-SXM5-80GB", 80.0, H100_FP32_TFLOPS, H100_BF16_TFLOPS, H100_MEMORY_GB_S,
+               NVLINK4_GB_S, NVLINK_LATENCY_US, NDR_INFINIBAND_GB_S * LINK_EFFICIENCY, PCIE5_X16_GB_S),
+)}
 """Built-in clusters in the file format; ``local`` is not among them because it is measured (:func:`local_cluster`)."""
 
 LOCAL = "local"

@@ -183,21 +183,10 @@ def _frozen_layers_at(points: Sequence[FreezePoint], at: float) -> int:
     return max((p.frozen_layers for p in points if p.at <= at + _EPSILON), default=0) if at >= -_EPSILON else 0
 
 
-def plan_run(
-    costs: Mapping[Precision, Sequence[BlockCost] | None],
-    cluster: Cluster,
-    *,
-    num_layers: int,
-    timeline: Sequence[FreezePoint],
-    epochs: float,
-    batch: BatchPolicy,
-    settings: LeverSettings,
-    baseline_settings: LeverSettings,
-    cache: bool = True,
-    cache_min_frozen: int = 1,
-    advance_cache: bool = True,
-    unfrozen_settings: LeverSettings | None = None,
-) -> RunPlan:
+def plan_run(costs: Mapping[Precision, Sequence[BlockCost] | None], cluster: Cluster, *, num_layers: int,
+             timeline: Sequence[FreezePoint], epochs: float, batch: BatchPolicy, settings: LeverSettings,
+             baseline_settings: LeverSettings, cache: bool = True, cache_min_frozen: int = 1,
+             advance_cache: bool = True, unfrozen_settings: LeverSettings | None = None) -> RunPlan:
     """Every phase's layout and predicted samples/s, and the static baseline's.
 
     A sample's cache entry is as old as its last visit, one epoch earlier: at ``t`` the cache serves the

@@ -8,6 +8,7 @@ samples go through the frozen-prefix cache; the test split, evaluated once, does
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -26,17 +27,17 @@ __all__ = ["Evaluator"]
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Evaluator:
     """``layout`` and ``cache`` are optional: without them the model is taken as it is on every rank."""
 
-    def __init__(self, model: BlockSequence, task: Task, env: DistEnv, *, batch_size: int,
-                 layout: ElasticLayout | None = None, cache: AutoCache | None = None) -> None:
-        self.model = model
-        self.task = task
-        self.env = env
-        self.batch_size = batch_size
-        self.layout = layout
-        self.cache = cache
+    model: BlockSequence
+    task: Task
+    env: DistEnv
+    _: KW_ONLY
+    batch_size: int
+    layout: ElasticLayout | None = None
+    cache: AutoCache | None = None
 
     def evaluate(self, dataset: IndexedDataset, use_cache: bool = False) -> float:
         """The task's metric over ``dataset`` (every rank must call)."""

@@ -54,18 +54,17 @@ class Progress:
         self.layout_history = list(self.layout_history)
 
 
+@dataclass(eq=False, kw_only=True)
 class TrainState:
     """The run's stateful pieces; ``state_dict`` is a checkpoint's metadata (JSON), ``tensors`` its tensors."""
 
-    def __init__(self, *, model: BlockSequence, optimizer: HeldOptimizer, sampler: ElasticSampler,
-                 freezer: AutoFreeze, layout: ElasticLayout, progress: Progress, config: Config) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.sampler = sampler
-        self.freezer = freezer
-        self.layout = layout
-        self.progress = progress
-        self.config = config
+    model: BlockSequence
+    optimizer: HeldOptimizer
+    sampler: ElasticSampler
+    freezer: AutoFreeze
+    layout: ElasticLayout
+    progress: Progress
+    config: Config
 
     def samples_done(self) -> int:
         """Samples of the learning-rate schedule before the sampler's position; a finished epoch counts whole, its
