@@ -1,4 +1,5 @@
-"""AutoFreeze in your own PyTorch loop (DDP or not): MiniLM fine-tuned on Rotten Tomatoes snippets.
+"""AutoFreeze in your own PyTorch loop (DDP or not): MiniLM fine-tuned on Rotten Tomatoes snippets, the frozen
+layers' output served from the activation cache once they freeze.
 
     .venv/bin/python examples/autofreeze_plain_loop.py [--steps 300]
     .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/autofreeze_plain_loop.py
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForSequenceClassification
 
+from pipetransformer.config import CacheConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezer
 from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -25,23 +27,29 @@ args = parser.parse_args()
 if "RANK" in os.environ:  # started by torchrun
     dist.init_process_group("gloo")
 rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-data = load_rotten_tomatoes(load_tokenizer(minilm_path()), 32, limits=SampleLimits(train=args.rows)).train
+MAX_LENGTH = 32
+data = load_rotten_tomatoes(load_tokenizer(minilm_path()), MAX_LENGTH, limits=SampleLimits(train=args.rows)).train
 torch.manual_seed(0)
 
 model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
 if world > 1:
     model = DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-freezer = AutoFreezer(model, optimizer, total_steps=args.steps)  # finds the layers; the package's default policy
+freezer = AutoFreezer(model, optimizer, total_steps=args.steps,  # finds the layers; the package's default policy
+                      cache=CacheConfig(enabled=True), cache_samples=len(data), cache_max_length=MAX_LENGTH)
 for step in range(args.steps):
-    batch = data.get_batch(torch.randint(len(data), (16,))[rank::world])  # one seeded draw, this rank's half
-    loss = model(input_ids=batch.inputs[0], attention_mask=batch.inputs[1], labels=batch.labels).loss
+    indices = torch.randint(len(data), (16,))[rank::world]  # one seeded draw, this rank's half
+    batch = data.get_batch(indices)
+    with freezer.serving(indices):  # the frozen layers' output from the cache where every sample has it
+        loss = model(input_ids=batch.inputs[0], attention_mask=batch.inputs[1], labels=batch.labels).loss
     loss.backward()
     if (decision := freezer.step()) is not None:  # after backward, before optimizer.step
         print(f"step {step}: the first {decision['frozen_layers']} layers frozen")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 if rank == 0:
-    print(f"loss {loss.item():.3f}; {freezer.outcome()}")
+    cache = freezer.cache
+    print(f"loss {loss.item():.3f}; {freezer.outcome()}; cache: {cache.hits} served, {cache.computed} computed")
+freezer.close()
 # checkpoint: {"model": ..., "optimizer": optimizer.state_dict(), "autofreeze": freezer.state_dict()}; to resume,
 # freezer.load_state_dict(...) before optimizer.load_state_dict(...)

@@ -6,13 +6,15 @@ The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2``
 policy built by ``freeze.policies.policy_from_settings`` from ``config.FreezeConfig`` (its defaults unless the
 caller passes settings). A decision freezes the layers' parameters (``requires_grad`` off, out of the optimizer,
 every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
-of DDP's all-reduce (``integrations.ddp``).
+of DDP's all-reduce (``integrations.ddp``). With ``cache=CacheConfig(enabled=True)`` the frozen layers' output is
+also kept per sample and served inside :meth:`AutoFreezer.serving` (``integrations.cache``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,10 +23,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from pipetransformer.config import FreezeConfig
+from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, drop_from_optimizer, pin_eval
 from pipetransformer.freeze.policies import (UNWINDOWED, FreezePrior, frozen_prefix_layers, policy_from_settings,
                                              resolve_prior)
+from pipetransformer.integrations.cache import PrefixServer
 from pipetransformer.integrations.ddp import drop_frozen_from_ddp
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
 from pipetransformer.train.control import ControlVector
@@ -66,12 +69,16 @@ class AutoFreezer:
     evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
     is ignored). Its ``prior`` freezes the embeddings from the first step for pretrained weights: ``pretrained``
     says whether they are (default: a Hugging Face model loaded with ``from_pretrained``, which records its path).
+    ``cache`` (``CacheConfig`` with ``enabled``) keeps the frozen layers' output per sample for the forwards run
+    inside :meth:`serving`; it needs ``cache_samples`` (the dataset's size) and, for text, ``cache_max_length``
+    (the longest batch, in tokens).
     """
 
     def __init__(self, model: nn.Module | LayerStack, optimizer: torch.optim.Optimizer, *,
                  total_steps: int | None = None, settings: FreezeConfig | None = None,
                  learning_rates: Sequence[float] | None = None, pretrained: bool | None = None,
-                 ddp: DistributedDataParallel | None = None, seed: int = 0) -> None:
+                 ddp: DistributedDataParallel | None = None, seed: int = 0, cache: CacheConfig | None = None,
+                 cache_samples: int | None = None, cache_max_length: int | None = None) -> None:
         self.settings = settings or FreezeConfig()
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
         if isinstance(model, LayerStack):
@@ -97,10 +104,19 @@ class AutoFreezer:
         self._frozen_modules: set[int] = set()
         self.steps = 0
         self._hooks: list[RemovableHandle] = []
+        self.cache: PrefixServer | None = None
+        if cache is not None and cache.enabled:
+            if cache_samples is None:
+                raise ValueError("AutoFreezer(cache=...) needs cache_samples, the dataset's size, to key each "
+                                 "sample's record by its index")
+            self.cache = PrefixServer(self.stack, cache, num_samples=cache_samples, max_length=cache_max_length)
         self._warn_if_nothing_can_freeze(total_steps)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.info("autofreeze: %s; frozen layers run without autograd, not from the activation cache (a loop "
-                        "gives no stable sample indices nor a promise of unaugmented inputs)", self.prior.describe())
+            logger.info("autofreeze: %s; frozen layers run without autograd, %s", self.prior.describe(),
+                        "and from the activation cache inside serving(indices)" if self.cache else
+                        "not from the activation cache (pass cache=CacheConfig(enabled=True) and cache_samples=, "
+                        "then run the forward inside serving(indices), if sample indices are stable and inputs "
+                        "not augmented)")
         self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior, before the first step
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
@@ -154,6 +170,21 @@ class AutoFreezer:
         self.frozen_layers = frozen_layers
         logger.info("autofreeze: step %d, the embeddings and the first %d of %d layers frozen", self.steps,
                     frozen_layers, len(self.stack))
+
+    @contextmanager
+    def serving(self, indices: torch.Tensor | Sequence[int]) -> Iterator[None]:
+        """Run the model's forward on the dataset samples ``indices`` inside this: the frozen layers' output is
+        served from the cache where every sample has it, and recorded otherwise (without a cache: no effect)."""
+        if self.cache is None:
+            yield
+            return
+        with self.cache.serving(torch.as_tensor(indices), self.frozen_layers):
+            yield
+
+    def close(self) -> None:
+        """Release the cache's store (its files are already unlinked, so an exit without this leaves nothing)."""
+        if self.cache is not None:
+            self.cache.close()
 
     def outcome(self) -> str:
         """One line: how many layers froze, or why none did."""
