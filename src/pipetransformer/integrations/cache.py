@@ -27,6 +27,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -82,25 +83,30 @@ def _local_env() -> DistEnv:
                    int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.device("cpu"), dist.get_backend())
 
 
+@dataclass(eq=False)
 class PrefixServer:
     """Serves the output of a :class:`LayerStack`'s frozen leading layers from an :class:`ActivationStore`.
 
     ``num_samples``: the dataset's size (indices run from 0 to ``num_samples - 1``); ``max_length``: the longest
-    sequence a text batch may have (a record's length), None for inputs of fixed shape.
+    sequence a text batch may have (a record's length), None for inputs of fixed shape. ``hits``, ``advanced`` and
+    ``computed`` count samples served, advanced from a shallower record, and run in full.
     """
 
-    def __init__(self, stack: LayerStack, settings: CacheConfig, *, num_samples: int,
-                 max_length: int | None) -> None:
-        if num_samples < 1:
-            raise ValueError(f"cache_samples={num_samples}: give the dataset's size (at least 1)")
-        self.stack = stack
-        self.settings = settings
-        self.num_samples = num_samples
-        self.max_length = max_length
-        self.store: ActivationStore | None = None
-        self.off_reason = ""
-        self._warned_length = False
-        self.hits = self.advanced = self.computed = 0
+    stack: LayerStack
+    settings: CacheConfig
+    _: KW_ONLY
+    num_samples: int
+    max_length: int | None
+    store: ActivationStore | None = field(default=None, init=False)
+    off_reason: str = field(default="", init=False)
+    hits: int = field(default=0, init=False)
+    advanced: int = field(default=0, init=False)
+    computed: int = field(default=0, init=False)
+    _warned_length: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"cache_samples={self.num_samples}: give the dataset's size (at least 1)")
 
     def usable(self, frozen_layers: int) -> bool:
         """Whether batches are served at this depth; says once, on rank 0, why the cache is off."""
