@@ -143,27 +143,28 @@ def shutdown_distributed() -> int:
     return len(groups)
 
 
-def broadcast_string(value: str, src: int = 0) -> str:
-    """Broadcast a short string as bytes in a tensor (no pickling)."""
+def broadcast_string(value: str, src: int = 0, device: torch.device | None = None) -> str:
+    """Broadcast a short string as bytes in a tensor (no pickling), on ``device`` (default: the host; a group with
+    NCCL alone needs the rank's CUDA device)."""
     if not dist.is_initialized():
         return value
-    data = torch.tensor(list(value.encode()), dtype=torch.uint8)
-    length = torch.tensor([data.numel()], dtype=torch.int64)
+    data = torch.tensor(list(value.encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src)
     if dist.get_rank() != src:
-        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src)
     return bytes(data.tolist()).decode()
 
 
-def broadcast_from_local_leader(env: DistEnv, value: str) -> str:
+def broadcast_from_local_leader(env: DistEnv, value: str, device: torch.device | None = None) -> str:
     """The string of this node's local leader (local rank 0), on every rank of the node: each node's leader
     broadcasts its own in turn, so what is per node (a shared-memory file's name) reaches that node's ranks
-    (every rank must call)."""
+    (every rank must call; ``device`` as for :func:`broadcast_string`)."""
     if not env.distributed:
         return value
     node_leader = env.rank - env.local_rank
-    values = [broadcast_string(value if env.rank == leader else "", src=leader)
+    values = [broadcast_string(value if env.rank == leader else "", src=leader, device=device)
               for leader in range(0, env.world_size, env.local_world_size)]
     return values[node_leader // env.local_world_size]
 

@@ -94,6 +94,20 @@ def test_a_batch_served_from_the_cache_gives_the_plain_forward(build) -> None:
     assert all(p.grad is not None for p in freezer.stack.layers[-1].parameters())
 
 
+@pytest.mark.cuda
+def test_records_kept_on_the_host_are_served_to_a_model_on_cuda() -> None:
+    device = torch.device("cuda")
+    model = _bert().to(device)
+    freezer = _freezer(model, frozen_layers=2)
+    model.eval()
+    indices = [2, 5]
+    batch = {k: v.to(device) for k, v in _batch(indices, MAX_LENGTH).items()}
+    _logits(model, batch, freezer, indices)
+    served = _logits(model, batch, freezer, indices)
+    assert freezer.cache.hits == len(indices) and served.device.type == "cuda"
+    torch.testing.assert_close(served, _logits(model, batch))
+
+
 def test_records_are_cut_to_a_shorter_batch_and_padded_for_a_longer_one() -> None:
     model = _bert()
     freezer = _freezer(model, frozen_layers=2)

@@ -74,13 +74,14 @@ def _first_rows(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return samples, rows
 
 
-def _local_env() -> DistEnv:
-    """This process's place under ``torchrun`` (or alone), for the store's per-node sharing."""
+def _local_env(device: torch.device) -> DistEnv:
+    """This process's place under ``torchrun`` (or alone), for the store's per-node sharing; ``device``: the
+    model's, where the user's process group can send tensors (a CUDA device under NCCL)."""
     if not dist.is_initialized():
-        return DistEnv(0, 1, 0, 1, torch.device("cpu"), "")
+        return DistEnv(0, 1, 0, 1, device, "")
     world = dist.get_world_size()
     return DistEnv(dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.device("cpu"), dist.get_backend())
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world)), device, dist.get_backend())
 
 
 @dataclass(eq=False)
@@ -204,7 +205,7 @@ class PrefixServer:
 
     def _open(self, example: torch.Tensor) -> None:
         """Create the node's store from the first recorded batch (every rank records its first at the same step)."""
-        env = _local_env()
+        env = _local_env(example.device)
         spec = spec_from_activation((example,), pad_to=self.max_length)
         layout_json = ""
         store: ActivationStore | None = None
@@ -212,7 +213,7 @@ class PrefixServer:
             store = ActivationStore.create(self.num_samples, spec, int(self.settings.memory_gb * BYTES_PER_GB),
                                            disk_dir=self.settings.dir or tempfile.gettempdir())
             layout_json = store.layout.to_json()
-        layout_json = broadcast_from_local_leader(env, layout_json)
+        layout_json = broadcast_from_local_leader(env, layout_json, device=env.device)
         if store is None:
             store = ActivationStore.attach(StoreLayout.from_json(layout_json))
         if env.distributed:
