@@ -37,11 +37,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: see distributed.shutdown_distributed
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+from pipetransformer.distributed import shutdown_distributed
 from pipetransformer.models import BlockSequence, build_model
 from pipetransformer.pipe import (BlockCost, BlockState, Link, Partition, broadcast_costs, partition, predict_step_time,
                                   profile_blocks, stage_time)
@@ -258,7 +260,7 @@ def _worker(rank: int, port: int, settings: Settings, out: str) -> None:
             }
             Path(out).write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # destroy and collect the groups before exit: a gloo thread left then aborts it
 
 
 def _free_port() -> int:
