@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -34,12 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetransformer.cache.store import EMPTY_BOUNDARY, ActivationStore, StoreLayout, spec_from_activation
-from pipetransformer.config import BYTES_PER_GB, CacheConfig
-from pipetransformer.distributed import DistEnv, broadcast_from_local_leader
+from pipetransformer.cache.node import open_node_store
+from pipetransformer.cache.store import EMPTY_BOUNDARY, ActivationStore, spec_from_activation
+from pipetransformer.config import CacheConfig
+from pipetransformer.distributed import DistEnv
 from pipetransformer.integrations.layers import LayerStack
 
-__all__ = ["PrefixServer", "random_modules_before_layers"]
+__all__ = ["PrefixServer", "dropouts_before_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +48,17 @@ HIDDEN_STATES = "hidden_states"
 SEQUENCE_DIM = 1
 
 
-def random_modules_before_layers(stack: LayerStack) -> list[str]:
-    """Dropouts with ``p > 0`` in training mode in the model's trunk outside its layers and embeddings: they make
-    the input of the first layer random, so its output cannot be stored."""
+def dropouts_before_layers(stack: LayerStack) -> list[tuple[str, nn.Module]]:
+    """The dropouts in the model's trunk outside its layers and embeddings: in training mode with ``p > 0`` they
+    make the input of the first layer random, so its output cannot be stored."""
     if stack.model is None:
         return []
     trunk = getattr(stack.model, "base_model", stack.model)
     if not isinstance(trunk, nn.Module):
         trunk = stack.model
     inside = {id(m) for part in (*stack.layers, *stack.embeddings) for m in part.modules()}
-    return [f"{type(trunk).__name__}.{name}" for name, module in trunk.named_modules()
-            if id(module) not in inside and isinstance(module, nn.modules.dropout._DropoutNd)
-            and module.training and module.p > 0]
+    return [(f"{type(trunk).__name__}.{name}", module) for name, module in trunk.named_modules()
+            if id(module) not in inside and isinstance(module, nn.modules.dropout._DropoutNd)]
 
 
 def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -104,15 +103,17 @@ class PrefixServer:
     advanced: int = field(default=0, init=False)
     computed: int = field(default=0, init=False)
     _warned_length: bool = field(default=False, init=False)
+    _dropouts: list[tuple[str, nn.Module]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
             raise ValueError(f"cache_samples={self.num_samples}: give the dataset's size (at least 1)")
+        self._dropouts = dropouts_before_layers(self.stack)  # found once; whether they drop is read per batch
 
     def usable(self, frozen_layers: int) -> bool:
         """Whether batches are served at this depth; says once, on rank 0, why the cache is off."""
         if not self.off_reason:
-            random = random_modules_before_layers(self.stack)
+            random = [name for name, module in self._dropouts if module.training and module.p > 0]
             if random:
                 self._turn_off(f"{', '.join(random)} is a dropout in training mode before the layers, so their "
                                "output differs every time; set its p to 0 to cache")
@@ -124,7 +125,7 @@ class PrefixServer:
             logger.warning("autofreeze: activation cache off: %s", reason)
 
     @contextmanager
-    def serving(self, indices: torch.Tensor, frozen_layers: int) -> Iterator[None]:
+    def serving(self, indices: torch.Tensor | Sequence[int], frozen_layers: int) -> Iterator[None]:
         """Within it, the model's forward on the samples ``indices`` serves and records the frozen prefix."""
         if not self.usable(frozen_layers):
             yield
@@ -207,20 +208,7 @@ class PrefixServer:
         """Create the node's store from the first recorded batch (every rank records its first at the same step)."""
         env = _local_env(example.device)
         spec = spec_from_activation((example,), pad_to=self.max_length)
-        layout_json = ""
-        store: ActivationStore | None = None
-        if env.is_local_leader:
-            store = ActivationStore.create(self.num_samples, spec, int(self.settings.memory_gb * BYTES_PER_GB),
-                                           disk_dir=self.settings.dir or tempfile.gettempdir())
-            layout_json = store.layout.to_json()
-        layout_json = broadcast_from_local_leader(env, layout_json, device=env.device)
-        if store is None:
-            store = ActivationStore.attach(StoreLayout.from_json(layout_json))
-        if env.distributed:
-            dist.barrier()
-        if env.is_local_leader:
-            store.unlink_names()
-        self.store = store
+        self.store = open_node_store(env, self.num_samples, spec, self.settings, device=env.device)
 
     def close(self) -> None:
         if self.store is not None:

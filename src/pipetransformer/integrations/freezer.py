@@ -178,7 +178,7 @@ class AutoFreezer:
         if self.cache is None:
             yield
             return
-        with self.cache.serving(torch.as_tensor(indices), self.frozen_layers):
+        with self.cache.serving(indices, self.frozen_layers):
             yield
 
     def close(self) -> None:

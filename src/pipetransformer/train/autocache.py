@@ -9,17 +9,15 @@ too run the frozen layers once. Without cached blocks the frozen prefix runs wit
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
-import torch.distributed as dist
 
 from pipetransformer.cache.prefix import CacheMetrics, FrozenPrefixCache
-from pipetransformer.cache.store import ActivationStore, StoreLayout, spec_from_activation
-from pipetransformer.config import BYTES_PER_GB, CacheConfig
+from pipetransformer.cache.node import open_node_store
+from pipetransformer.cache.store import ActivationStore, spec_from_activation
+from pipetransformer.config import CacheConfig
 from pipetransformer.data.batch import Batch, IndexedDataset
 from pipetransformer.data.text import TextDataset
-from pipetransformer.distributed import DistEnv, broadcast_from_local_leader
+from pipetransformer.distributed import DistEnv
 from pipetransformer.models.blocks import Activation, BlockSequence
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.build import example_inputs
@@ -58,21 +56,7 @@ class AutoCache:
             activation = self.model.forward_range(example, 0, cached_blocks)
         text = self.train_set.task == TextDataset.task
         spec = spec_from_activation(activation, pad_to=self.max_length if text else None)
-        disk_dir = self.settings.dir or tempfile.gettempdir()  # node-local: the run directory may be shared
-        memory_bytes = int(self.settings.memory_gb * BYTES_PER_GB)
-        store: ActivationStore | None = None
-        layout_json = ""
-        if self.env.is_local_leader:
-            store = ActivationStore.create(self.train_samples + self.eval_samples, spec, memory_bytes,
-                                           disk_dir=disk_dir)
-            layout_json = store.layout.to_json()
-        layout_json = broadcast_from_local_leader(self.env, layout_json)  # every node has its own store
-        if store is None:
-            store = ActivationStore.attach(StoreLayout.from_json(layout_json))
-        if self.env.distributed:
-            dist.barrier()
-        if self.env.is_local_leader:
-            store.unlink_names()
+        store = open_node_store(self.env, self.train_samples + self.eval_samples, spec, self.settings)
         self.store = store
         self.training = FrozenPrefixCache(store)
         self.evaluation = FrozenPrefixCache(store)
