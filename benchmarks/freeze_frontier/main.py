@@ -23,7 +23,7 @@ test split a seeded 10% of them). Settings are chosen on validation (``--split v
 times each split was read.
 
 Accuracy differences are paired with the faster plain baseline (same seed, same rows); their standard error
-combines the spread over seeds and the test set's own sampling error, paired by row (``combined_se``).
+combines the spread over seeds and the test set's own sampling error, paired by row (``report.combined_se``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.metrics import TEST_SAMPLES_FILE
-from pipetransformer.report import paired_test_difference
+from pipetransformer.report import combined_se
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
@@ -59,7 +59,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
 )
 from freeze_transfer.main import debates_path  # noqa: E402
 
-__all__ = ["ARMS", "FRONTIER_TASKS", "combined_se", "main", "summarize"]
+__all__ = ["ARMS", "FRONTIER_TASKS", "main", "summarize"]
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -178,16 +178,6 @@ def frontier_tasks(runs_dir: Path) -> dict[str, FrontierTask]:
 
 
 FRONTIER_TASKS = ("quick", "rotten_tomatoes", "debates", "fashion_mnist", "rt_full", "fmnist_full", "vit12")
-
-
-def combined_se(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """Mean paired difference and its standard error: the seeds' spread and the test set's own sampling error
-    (paired by row, ``report.paired_test_difference``) combined as a root sum of squares. Conservative: the
-    seed-by-row interaction counts in both."""
-    difference, row_se = paired_test_difference(runs, baselines)
-    per_seed = [statistics.fmean(run) - statistics.fmean(base) for run, base in zip(runs, baselines)]
-    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
-    return difference, math.hypot(seed_se, row_se or 0.0)
 
 
 def _per_sample(run: RunResult, split: str) -> list[float] | None:

@@ -35,7 +35,7 @@ from pipetransformer.metrics import (
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",
-    "load_run", "run_labels", "speedup", "paired_test_difference", "layout_segments", "phase_means", "write_report",
+    "load_run", "run_labels", "speedup", "paired_test_difference", "combined_se", "layout_segments", "phase_means", "write_report",
     "write_tensorboard",
 ]
 
@@ -200,6 +200,16 @@ def paired_test_difference(runs: Sequence[Sequence[float]], baselines: Sequence[
     per_sample = [statistics.fmean(run[i] - base[i] for run, base in zip(runs, baselines)) for i in range(samples)]
     se = statistics.stdev(per_sample) / math.sqrt(samples) if samples > 1 else None
     return statistics.fmean(per_sample), se
+
+
+def combined_se(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Mean paired difference and its standard error: the seeds' spread and the test set's own sampling error
+    (paired by row, :func:`paired_test_difference`) combined as a root sum of squares. Conservative: the
+    seed-by-row interaction counts in both."""
+    difference, row_se = paired_test_difference(runs, baselines)
+    per_seed = [statistics.fmean(run) - statistics.fmean(base) for run, base in zip(runs, baselines)]
+    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+    return difference, math.hypot(seed_se, row_se or 0.0)
 
 
 def _phase_names(steps: Sequence[dict[str, Any]]) -> list[str]:

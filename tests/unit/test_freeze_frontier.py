@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,6 @@ def _run(tmp_path: Path, name: str, seed: int, wall: float, rows: list[int], *, 
     summary = {"wall_time_s": wall, "test_accuracy": sum(rows) / len(rows), "eval_accuracy": 0.5, "steps": 40,
                "freeze_decisions": decisions, "freeze_cap_binds": 1 if frozen else 0}
     return RunResult(name, "c.yaml", seed, str(run_dir), 0, wall, 1.0, 1.2, summary)
-
-
-def test_combined_error_adds_the_seeds_spread_to_the_test_sets_own() -> None:
-    runs = [[1, 1, 0, 1], [1, 0, 0, 1]]
-    baselines = [[1, 1, 1, 1], [1, 1, 0, 1]]
-    difference, se = frontier.combined_se(runs, baselines)
-    assert difference == pytest.approx(-0.25)
-    per_row = [0.0, -0.5, -0.5, 0.0]  # per row, averaged over the seeds
-    row_se = math.sqrt(sum((d + 0.25) ** 2 for d in per_row) / 3) / 2
-    seed_se = math.sqrt(((-0.25 + 0.25) ** 2 + (-0.25 + 0.25) ** 2) / 1) / math.sqrt(2)
-    assert se == pytest.approx(math.hypot(seed_se, row_se))
 
 
 def test_pairs_with_the_faster_plain_baseline_and_checks_the_issues_conditions(tmp_path: Path) -> None:

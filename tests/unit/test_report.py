@@ -4,6 +4,7 @@ and from hand-written run directories whose numbers are known."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from jobs import event_scalars, logged_records, run_job
 from matplotlib.image import imread
 
 from pipetransformer.cli import main
-from pipetransformer.report import (OTHER_PHASE, RunDirError, layout_segments, load_run, paired_test_difference,
-                                    phase_means, run_labels, speedup, write_report, write_tensorboard)
+from pipetransformer.report import (OTHER_PHASE, RunDirError, combined_se, layout_segments, load_run,
+                                    paired_test_difference, phase_means, run_labels, speedup, write_report,
+                                    write_tensorboard)
 
 IMAGES = ("throughput.png", "layout.png", "accuracy.png", "breakdown.png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -176,6 +178,17 @@ def test_the_paired_difference_averages_seeds_per_sample_before_the_test_sets_er
         paired_test_difference([[1, 0]], [])
     with pytest.raises(ValueError, match="same, non-empty test split"):
         paired_test_difference([[1, 0]], [[1]])
+
+
+def test_combined_error_adds_the_seeds_spread_to_the_test_sets_own() -> None:
+    runs = [[1, 1, 0, 1], [1, 0, 0, 1]]
+    baselines = [[1, 1, 1, 1], [1, 1, 0, 1]]
+    difference, se = combined_se(runs, baselines)
+    assert difference == pytest.approx(-0.25)
+    per_row = [0.0, -0.5, -0.5, 0.0]  # per row, averaged over the seeds
+    row_se = math.sqrt(sum((d + 0.25) ** 2 for d in per_row) / 3) / 2
+    seed_se = math.sqrt(((-0.25 + 0.25) ** 2 + (-0.25 + 0.25) ** 2) / 1) / math.sqrt(2)
+    assert se == pytest.approx(math.hypot(seed_se, row_se))
 
 
 def test_phase_means_add_up_to_the_step_time() -> None:
