@@ -8,7 +8,7 @@ freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on
 52049, a split no earlier run of this project has read (the others use 0). Runs are interleaved per seed
 (baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
 
-    .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, about 1.5 hours
+    .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
     .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes
 """
 
