@@ -4,8 +4,8 @@ MiniLM-L6 (``AutoModelForSequenceClassification``) fine-tuned on Rotten Tomatoes
 on 2 gloo processes under torchrun (1 thread each), the settings of ``configs/text_minilm_ddp.yaml``: global batch
 32, AdamW lr 1e-4, weight decay 0.01, 6% linear warm-up then linear decay, gradient clip 1.0, 64 tokens at most
 (batches padded to their longest), 3 epochs of the whole training split. The callback uses the package's default
-freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on the test split of ``split_seed``
-52049, a split no earlier run of this project has read (the others use 0). Runs are interleaved per seed
+freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on the test split of ``--split-seed``
+(52049 by default; the README counts its reads), paired with the baseline by seed and by row. Runs are interleaved per seed
 (baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
 
     .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
@@ -104,8 +104,8 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.worker_out).write_text(json.dumps({
             "configuration": args.configuration, "seed": args.seed, "train_s": trained.metrics["train_runtime"],
             "samples_per_s": trained.metrics["train_samples_per_second"], "train_loss": trained.training_loss,
-            "steps": trained.global_step, "test_accuracy": tested.metrics["test_accuracy"], "test_loss": tested.metrics["test_loss"],
-            "test_correct": correct,
+            "steps": trained.global_step, "test_accuracy": tested.metrics["test_accuracy"],
+            "test_loss": tested.metrics["test_loss"], "test_correct": correct,
             "decisions": [{"step": d["global_step"], "frozen_layers": d["frozen_layers"]}
                           for d in (callback.decisions if callback else [])],
             "outcome": callback.freezer.outcome() if callback and callback.freezer else None}))

@@ -35,7 +35,8 @@ from pipetransformer.metrics import (
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",
-    "load_run", "run_labels", "speedup", "paired_test_difference", "combined_se", "layout_segments", "phase_means", "write_report",
+    "load_run", "run_labels", "speedup", "paired_test_difference", "combined_se", "layout_segments", "phase_means",
+    "write_report",
     "write_tensorboard",
 ]
 
