@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.metrics import TEST_SAMPLES_FILE
-from pipetransformer.report import combined_se
+from pipetransformer.report import combined_se, seeds_difference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
@@ -218,9 +217,8 @@ def summarize(runs: dict[str, dict[int, RunResult]], split: str) -> dict[str, di
         if all(r is not None for r in (*rows, *base_rows)):
             difference, se = combined_se(rows, base_rows)  # type: ignore[arg-type]
         else:
-            per_seed = [by_seed[s].summary[key] - runs[baseline][s].summary[key] for s in seeds]
-            difference = statistics.fmean(per_seed)
-            se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+            difference, se = seeds_difference([by_seed[s].summary[key] - runs[baseline][s].summary[key]
+                                               for s in seeds])
         frozen = [_freeze_story(by_seed[s].summary) for s in seeds]
         table[name] = {
             "seeds": seeds, "baseline": baseline, "accuracy": statistics.fmean(by_seed[s].summary[key] for s in seeds),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.report import combined_se
+from pipetransformer.report import combined_se, seeds_difference
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -140,8 +139,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                                      [by["baseline", s]["test_correct"] for s in seeds])
         difference, se = difference * PERCENT, se * PERCENT
     else:
-        difference = statistics.fmean(deltas)
-        se = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else 0.0
+        difference, se = seeds_difference(deltas)
     mean_accuracy = {c: statistics.mean(by[c, s]["test_accuracy"] * PERCENT for s in seeds) for c in CONFIGURATIONS}
     return {"speed_ratio_median": statistics.median(ratios), "speed_ratio_range": [min(ratios), max(ratios)],
             "accuracy_points_mean_change": difference, "accuracy_points_se": se, "se_includes_test_rows": by_row,

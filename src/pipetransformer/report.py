@@ -35,9 +35,8 @@ from pipetransformer.metrics import (
 
 __all__ = [
     "RunDirError", "Run", "LayoutSegment", "REQUIRED_FILES", "PHASES", "OTHER_PHASE",
-    "load_run", "run_labels", "speedup", "paired_test_difference", "combined_se", "layout_segments", "phase_means",
-    "write_report",
-    "write_tensorboard",
+    "load_run", "run_labels", "speedup", "paired_test_difference", "seeds_difference", "combined_se",
+    "layout_segments", "phase_means", "write_report", "write_tensorboard",
 ]
 
 logger = logging.getLogger(__name__)
@@ -203,13 +202,19 @@ def paired_test_difference(runs: Sequence[Sequence[float]], baselines: Sequence[
     return statistics.fmean(per_sample), se
 
 
+def seeds_difference(per_seed: Sequence[float]) -> tuple[float, float]:
+    """Mean of per-seed differences and its standard error over the seeds (0 with one seed)."""
+    se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+    return statistics.fmean(per_seed), se
+
+
 def combined_se(runs: Sequence[Sequence[float]], baselines: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """Mean paired difference and its standard error: the seeds' spread and the test set's own sampling error
-    (paired by row, :func:`paired_test_difference`) combined as a root sum of squares. Conservative: the
-    seed-by-row interaction counts in both."""
+    """Mean paired difference and its standard error: the seeds' spread (:func:`seeds_difference`) and the test
+    set's own sampling error (paired by row, :func:`paired_test_difference`) combined as a root sum of squares.
+    Conservative: the seed-by-row interaction counts in both."""
     difference, row_se = paired_test_difference(runs, baselines)
-    per_seed = [statistics.fmean(run) - statistics.fmean(base) for run, base in zip(runs, baselines)]
-    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else 0.0
+    _, seed_se = seeds_difference([statistics.fmean(run) - statistics.fmean(base)
+                                   for run, base in zip(runs, baselines)])
     return difference, math.hypot(seed_se, row_se or 0.0)
 
 
