@@ -8,11 +8,13 @@ a few seeds at a time and every launch's runs are read together)::
     .venv/bin/python benchmarks/freeze_frontier/main.py --task rt_full --seeds 0 1   # a long task, two seeds
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split validation  # tables and figures, no test
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test        # once the default is fixed
+    .venv/bin/python benchmarks/freeze_frontier/main.py --round choice --task fashion_mnist --arms ddp half
 
 Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
 cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
 and the bottom k layers frozen from the first step, cached); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
-(the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``).
+(the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``). ``CANDIDATES`` for a new
+default run only when named, in a round of their own (``--round``) beside a ``ddp`` of the same launch.
 
 Every task reads fresh test rows: ``data.split_seed`` is ``FRESH_SPLIT_SEED`` (registered in this folder's README
 before any run of the current default), so its validation and test rows differ from the rows the freeze_transfer
@@ -98,6 +100,16 @@ ARMS: dict[str, Member] = {
     "default": Member("all", (NO_BUDGET,)),
 }
 QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
+HALF = "freeze.max_fraction=0.5"
+"""Evidence freezes at most half the layers (the policy is coherence, so the cap binds no other policy)."""
+CANDIDATES: dict[str, Member] = {
+    "half": Member("all", (NO_BUDGET, HALF)),
+    "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
+    "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
+}
+"""Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
+on validation beside a ``ddp`` of the same launch, by the README's rule."""
+ALL_ARMS = {**ARMS, **CANDIDATES}
 MAX_SEED = 16
 """The report looks for seeds below this (or the task's own count, if larger): launches may add seeds beyond it."""
 
@@ -233,24 +245,24 @@ def summarize(runs: dict[str, dict[int, RunResult]], split: str) -> dict[str, di
     return table
 
 
-def verdicts(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
-    """The issue's conditions for the default on this task, as measured."""
-    row = table.get("default")
+def verdicts(task: str, table: dict[str, dict[str, Any]], arm: str = "default") -> list[str]:
+    """The issue's conditions for the default (or a candidate for it) on this task, as measured."""
+    row = table.get(arm)
     if row is None:
-        return ["- `default` did not finish: nothing to check."]
+        return [f"- `{arm}` did not finish: nothing to check."]
     bound = -ACCURACY_BOUND_POINTS / PERCENT
 
     def meets(entry: dict[str, Any]) -> bool:
         return entry["difference"] >= bound
 
-    lines = [f"- accuracy: default {row['difference'] * PERCENT:+.2f} ± {row['se'] * PERCENT:.2f} points against "
+    lines = [f"- accuracy: {arm} {row['difference'] * PERCENT:+.2f} ± {row['se'] * PERCENT:.2f} points against "
              f"`{row['baseline']}` (bound >= -{ACCURACY_BOUND_POINTS}): {'met' if meets(row) else 'MISSED'}"]
     fixed = {name: entry for name, entry in table.items() if name.startswith("fixed") or name == "embed"}
     passing = {name: entry for name, entry in fixed.items() if meets(entry)}
     if passing:
         best = max(passing, key=lambda name: passing[name]["speedup"])
         share = row["speedup"] / passing[best]["speedup"]
-        lines.append(f"- speed: default {row['speedup']:.2f}x, the fastest fixed freeze within the bound `{best}` "
+        lines.append(f"- speed: {arm} {row['speedup']:.2f}x, the fastest fixed freeze within the bound `{best}` "
                      f"{passing[best]['speedup']:.2f}x: {share:.2f} of it (needs >= {SPEED_SHARE_OF_BEST_FIXED}): "
                      f"{'met' if share >= SPEED_SHARE_OF_BEST_FIXED else 'MISSED'}")
     else:
@@ -258,7 +270,7 @@ def verdicts(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
     target = TARGETS.get(task, SHORT_TARGET)
     lines.append(f"- target: {row['speedup']:.2f}x the faster plain baseline (target >= {target}x): "
                  f"{'met' if row['speedup'] >= target else 'MISSED'}")
-    lines.append(f"- the default acted (froze a layer) in {row['acted']} of {len(row['seeds'])} runs; the budget held "
+    lines.append(f"- {arm} acted (froze a layer) in {row['acted']} of {len(row['seeds'])} runs; the budget held "
                  f"converged layers back in {sum(row['cap_binds'])} windows")
     return lines
 
@@ -271,10 +283,13 @@ def _task_markdown(task: FrontierTask, table: dict[str, dict[str, Any]], split: 
              f"{(r['difference'] + Z_95 * r['se']) * PERCENT:+.2f}", fmt(r["speedup"], 2, "x"),
              f"{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}", ",".join(map(str, r["frozen_at_end"])),
              fmt(r["load"], 2)] for name, r in table.items()]
+    judged = [name for name in ("default", *CANDIDATES) if name in table]
     freezes = [[f"`{name}`", seed, story] for name, r in table.items() for seed, story in zip(r["seeds"], r["freezes"])
-               if name in ("default", "geometric")]
-    return "\n".join([f"### {task.name} (`configs/{task.prefix}_*.yaml`)", "", f"Shared overrides: `{' '.join(task.data)}`",
-                      "", markdown_table(header, rows), "", *verdicts(task.name, table), "",
+               if name in ("geometric", *judged)]
+    conditions = [line for name in judged for line in verdicts(task.name, table, name)]
+    return "\n".join([f"### {task.name} (`configs/{task.prefix}_*.yaml`)", "",
+                      f"Shared overrides: `{' '.join(task.data)}`", "", markdown_table(header, rows), "",
+                      *conditions, "",
                       markdown_table(["arm", "seed", "frozen layers @ step (share of the run)"], freezes), ""])
 
 
@@ -290,7 +305,8 @@ def _figure(task: str, table: dict[str, dict[str, Any]], split: str, out: Path) 
         low, high = row["speedup_range"]
         axes.errorbar(row["speedup"], row["difference"] * PERCENT, yerr=Z_95 * row["se"] * PERCENT,
                       xerr=[[row["speedup"] - low], [high - row["speedup"]]], fmt="o", capsize=3,
-                      color="tab:red" if name == "default" else "tab:blue" if name in PLAIN else "tab:gray")
+                      color="tab:red" if name == "default" else "tab:blue" if name in PLAIN
+                      else "tab:green" if name in CANDIDATES else "tab:gray")
         axes.annotate(name, (row["speedup"], row["difference"] * PERCENT), textcoords="offset points", xytext=(4, 4))
     axes.axhline(-ACCURACY_BOUND_POINTS, linestyle="--", color="tab:orange", linewidth=1)
     axes.set_xlabel("speed-up over the faster plain baseline (median; bar: per-seed range)")
@@ -304,7 +320,7 @@ def _figure(task: str, table: dict[str, dict[str, Any]], split: str, out: Path) 
 def _collect(task: FrontierTask, runs_dir: Path) -> dict[str, dict[int, RunResult]]:
     """Every finished run of the task's arms in its runs directory, whichever launch made it."""
     found: dict[str, dict[int, RunResult]] = {}
-    for name in ARMS:
+    for name in ALL_ARMS:
         for seed in range(max(task.seeds, MAX_SEED)):
             result = finished_run(name, seed, runs_dir / task.name)
             if result is not None:
@@ -322,12 +338,13 @@ def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir
         for name in [*arms[shift:], *arms[:shift]]:  # rotated per seed: a slow phase hits no arm always
             if finished_run(name, seed, runs_dir / task.name) is not None:
                 continue
-            member = ARMS[name]
+            member = ALL_ARMS[name]
             run_training(name, task.config(member.family_member), seed, runs_dir / task.name,
                          [*task.data, f"seed={seed}", *member.overrides], nproc=member.nproc)
 
 
-def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str, stem: str) -> str:
+def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str, stem: str,
+            round_name: str | None = None) -> str:
     sections, payload = [], {"split": split, "machine": machine_info(), "tasks": {}}
     RESULTS.mkdir(exist_ok=True)
     for name in names:
@@ -337,8 +354,10 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
         payload["tasks"][name] = table
         _figure(name, table, split, RESULTS / f"frontier-{name}-{split}.png")
         sections.append(_task_markdown(tasks[name], table, split))
-    markdown = "\n".join([f"# AutoFreeze frontier ({split} split)", "",
-                          f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py --report --split {split}`", "",
+    command = f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
+    title = f"AutoFreeze frontier, round {round_name}" if round_name else "AutoFreeze frontier"
+    markdown = "\n".join([f"# {title} ({split} split)", "",
+                          f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py {command}`", "",
                           "Machine: " + ", ".join(f"{k} {v}" for k, v in payload["machine"].items()), "", *sections])
     write_results(RESULTS, f"{stem}-{split}", markdown, payload)
     return markdown
@@ -349,13 +368,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the machinery on a small text task, one seed")
     parser.add_argument("--task", choices=FRONTIER_TASKS[1:], help="run this task's arms (one task per launch)")
     parser.add_argument("--seeds", type=int, nargs="+", help="these seeds (default: all of the task's)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="only these arms (default: all)")
+    parser.add_argument("--arms", nargs="+", choices=list(ALL_ARMS),
+                        help="only these arms (default: all of ARMS; CANDIDATES run only when named)")
+    parser.add_argument("--round", help="a named round (e.g. choice): its runs in RUNS_DIR/ROUND, its report in "
+                                        "results/frontier-ROUND-SPLIT.md, so its arms pair with its own ddp")
     parser.add_argument("--report", action="store_true", help="tables and figures from the finished runs only")
     parser.add_argument("--split", choices=(VALIDATION, TEST), default=VALIDATION,
                         help="which split the report reads (settings are chosen on validation)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
     args = parser.parse_args(argv)
     tasks = frontier_tasks(args.runs_dir)
+    runs_dir = args.runs_dir / args.round if args.round else args.runs_dir
+    stem = f"frontier-{args.round}" if args.round else "frontier"
     if args.quick:
         _run(tasks["quick"], [0], args.arms or QUICK_ARMS, args.runs_dir)
         print(_report(tasks, ["quick"], args.runs_dir, args.split, "frontier-quick"))
@@ -364,9 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = tasks[args.task]
         if args.seeds and not all(0 <= seed < max(task.seeds, MAX_SEED) for seed in args.seeds):
             parser.error(f"--seeds must be in 0..{max(task.seeds, MAX_SEED) - 1}, the seeds the report reads")
-        _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), args.runs_dir)
+        _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), runs_dir)
     if args.report or args.task:
-        print(_report(tasks, list(FRONTIER_TASKS[1:]), args.runs_dir, args.split, "frontier"))
+        print(_report(tasks, list(FRONTIER_TASKS[1:]), runs_dir, args.split, stem, args.round))
         return 0
     parser.print_usage()
     return 2

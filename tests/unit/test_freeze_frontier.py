@@ -47,3 +47,21 @@ def test_pairs_with_the_faster_plain_baseline_and_checks_the_issues_conditions(t
     assert frontier.verdicts("rotten_tomatoes", frontier.summarize(slower, "test"))[1].endswith("MISSED")
     worse = dict(runs, default={s: _run(tmp_path, "default-worse", s, 61.0, [0] * 2 + [1] * 198) for s in (0, 1)})
     assert "MISSED" in frontier.verdicts("rt_full", frontier.summarize(worse, "test"))[0]
+
+
+def test_candidates_for_the_default_are_judged_by_the_same_conditions(tmp_path: Path) -> None:
+    correct = [1] * 200
+    runs = {
+        "ddp": {s: _run(tmp_path, "ddp", s, 100.0, correct) for s in (0, 1)},
+        "fixed2": {s: _run(tmp_path, "fixed2", s, 60.0, correct, frozen=2) for s in (0, 1)},
+        "half": {s: _run(tmp_path, "half", s, 50.0, correct, frozen=3) for s in (0, 1)},
+        "prior2_half": {s: _run(tmp_path, "prior2_half", s, 55.0, [0] * 2 + [1] * 198, frozen=3) for s in (0, 1)},
+    }
+    table = frontier.summarize(runs, "test")
+    task = frontier.FrontierTask("rotten_tomatoes", "text_minilm", ("data.split_seed=52",), seeds=2)
+    markdown = frontier._task_markdown(task, table, "test")
+    assert "`default` did not finish" not in markdown  # a round of candidates has no default: no line for it
+    assert "- accuracy: half +0.00" in markdown and "- speed: half 2.00x" in markdown
+    assert "- accuracy: prior2_half -1.00" in markdown and "MISSED" in markdown
+    assert "| `half` | 0 | 3@10 (25%) |" in markdown  # the candidates' freezes are listed with the default's
+    assert set(frontier.CANDIDATES).isdisjoint(frontier.ARMS)  # a plain launch never runs a candidate
