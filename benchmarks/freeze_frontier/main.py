@@ -106,6 +106,7 @@ CANDIDATES: dict[str, Member] = {
     "half": Member("all", (NO_BUDGET, HALF)),
     "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
     "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
+    "prior1_third": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.prior=1")),
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule."""
