@@ -162,6 +162,7 @@ class FreezeConfig:
     learned_min_steps: int = 20  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (two windows of the 10-step floor; a longer window counts alone)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
+    evidence_max_fraction: float | None = None  # coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
     max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 
@@ -180,7 +181,7 @@ class FreezeConfig:
         if isinstance(self.prior, int) and self.prior < 0:
             raise ConfigError(f"freeze.prior must be auto, none, embeddings or a layer count >= 0, got {self.prior}")
         check_freeze_values(alpha=self.alpha, percentile=self.percentile, max_fraction=self.max_fraction,
-                            max_change=self.max_change, threshold=self.threshold, max_advance=self.max_advance,
+                            evidence_max_fraction=self.evidence_max_fraction, max_change=self.max_change, threshold=self.threshold, max_advance=self.max_advance,
                             learned_by=self.learned_by, learned_min_steps=self.learned_min_steps)
         if self.policy == "schedule" and self.enabled and not self.schedule:
             raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
@@ -195,7 +196,8 @@ class FreezeConfig:
             previous = entry
 
 
-def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float | None, max_change: float | None,
+def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float | None,
+                        evidence_max_fraction: float | None, max_change: float | None,
                         threshold: float, max_advance: int | None, learned_by: str, learned_min_steps: int) -> None:
     """The freeze settings' ranges, checked once for the config and the Python API (``freeze.make_policy``)."""
     if not 0.0 < threshold < 1.0:
@@ -214,6 +216,8 @@ def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float 
         raise ConfigError(f"freeze.max_change must be > 0 (or null for the percentile alone), got {max_change}")
     if max_fraction is not None and not 0.0 <= max_fraction <= 1.0:
         raise ConfigError(f"freeze.max_fraction must be in [0, 1] (or null), got {max_fraction}")
+    if evidence_max_fraction is not None and not 0.0 < evidence_max_fraction <= 1.0:
+        raise ConfigError(f"freeze.evidence_max_fraction must be in (0, 1] (or null), got {evidence_max_fraction}")
 
 
 @dataclass

@@ -327,6 +327,7 @@ def test_load_state_dict_rejects_another_policy() -> None:
         ({"percentile": -1.0}, "freeze.percentile"),
         ({"percentile": 100.5}, "freeze.percentile"),
         ({"max_fraction": 1.2}, "freeze.max_fraction"),
+        ({"evidence_max_fraction": 0.0}, "freeze.evidence_max_fraction"),
         ({"interval": 0}, "freeze.interval"),
         ({"interval_unit": "minutes"}, "freeze.interval_unit"),
     ],
@@ -448,6 +449,33 @@ def test_coherence_is_bounded_by_the_learning_rate_budget_and_records_why() -> N
     assert third.details["reasons"] == ["freezes"] * 3 + ["held:budget"] * 3
     fifth = decisions[4]
     assert fifth is not None and fifth.details["reasons"] == ["frozen"] * 4 + ["freezes", "held:budget"]
+
+
+def test_the_evidence_cap_keeps_the_top_layers_training_and_binds_no_other_policy() -> None:
+    norms, dots = coherence_trace([LEARNING] + [[0.01] * NUM_LAYERS] * 5)
+    spent = [k / NUM_LAYERS for k in range(1, NUM_LAYERS + 1)]
+    policy = build("coherence", evidence_max_fraction=0.5, spent=spent)
+    decisions = run(policy, norms, dots=dots)
+    # budget k after window k, capped at floor(0.5 * 6) = 3: the top half keeps training
+    assert frozen_counts(decisions) == [0, 0, 3, 3, 3, 3]
+    assert policy.cap_binds == 4  # the budget in window 3, then the cap in every window after it
+    last = decisions[2]
+    assert last is not None and last.details["evidence_cap"] == 3
+    assert policy.last_window is not None
+    assert policy.last_window["reasons"] == ["frozen"] * 3 + ["held:evidence_max_fraction"] * 3
+    prior = build("coherence", evidence_max_fraction=0.5, prior_layers=2, spent=spent)
+    assert frozen_counts(run(prior, norms, dots=dots))[-1] == 3  # the prior's layers count toward the cap
+    below_prior = build("coherence", evidence_max_fraction=0.2, prior_layers=2, spent=spent)
+    run(below_prior, norms, dots=dots)
+    assert below_prior.frozen == frozenset({0, 1})  # never fewer than the prior
+    assert below_prior.outcome() == ("nothing froze beyond the prior's 2 layers: freeze.evidence_max_fraction allows "
+                                     "no layer beyond it")
+    uncapped = frozen_counts(run(build("gradient", percentile=90.0), stable_bottom_trace(windows=3, stable=5)))
+    capped = frozen_counts(run(build("gradient", percentile=90.0, evidence_max_fraction=1 / 3),
+                               stable_bottom_trace(windows=3, stable=5)))
+    assert (uncapped[-1], capped[-1]) == (5, 2)
+    geometric = build("geometric", evidence_max_fraction=0.5, alpha=0.5)
+    assert frozen_counts(run(geometric, [[1.0] * NUM_LAYERS] * 3))[-1] == 5  # a schedule of its own: not capped
 
 
 def test_a_reason_for_every_layer_in_every_window() -> None:

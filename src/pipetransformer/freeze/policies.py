@@ -7,7 +7,8 @@ the embeddings block freezes with layer 0 and the head never freezes.
 Every policy is monotone (a frozen layer never thaws: its cached outputs and the pipeline built
 around it stay valid). A run may start from a prior (``FreezePrior``: the embeddings, or the embeddings and
 the bottom layers, frozen from the first step) that the policy then builds on. The policies that decide from
-evidence (coherence, gradient) are bounded by the run's learning-rate budget (``budget_layers``); a user's
+evidence (coherence, gradient) are bounded by the run's learning-rate budget (``budget_layers``) and by a depth cap
+(``evidence_max_fraction``: the top layers keep training); a user's
 ``max_fraction``, when set, caps every deciding policy; a schedule is the user's explicit plan and freezes what
 it lists.
 Policies count steps and epochs themselves from ``decide`` calls (a step is counted when ``step``
@@ -63,10 +64,12 @@ evidence. A model trained from random initialisation starts with nothing frozen.
 
 FROZEN_BEFORE, FREEZES = "frozen", "freezes"
 HELD_BY_BUDGET, HELD_BY_ADVANCE, HELD_BY_MAX_FRACTION = "held:budget", "held:max_advance", "held:max_fraction"
+HELD_BY_EVIDENCE_CAP = "held:evidence_max_fraction"
 NOT_LEARNED, LEARNING, ONE_WINDOW_BELOW, ABOVE_LEARNING = "not_learned", "learning", "one_window_below", "above_learning"
 REASONS = {
     FROZEN_BEFORE: "frozen in an earlier window (or by the prior)",
     FREEZES: "converged: freezes in this window",
+    HELD_BY_EVIDENCE_CAP: "converged, held back by freeze.evidence_max_fraction (the top layers keep training)",
     HELD_BY_BUDGET: "converged, held back by the learning-rate budget (budget_layers)",
     HELD_BY_ADVANCE: "converged, held back by freeze.max_advance (one more layer per window)",
     HELD_BY_MAX_FRACTION: "converged, held back by freeze.max_fraction",
@@ -197,6 +200,7 @@ class FreezePolicy(ABC):
         self.epochs_done = 0
         self.windows_done = 0
         self.cap_binds = 0  # windows where the policy's bound held back layers its test found converged
+        self.evidence_cap = num_layers  # the evidence policies' cap (``freeze.evidence_max_fraction``)
         self.last_step: int | None = None
         self.last_window: dict[str, Any] | None = None  # the numbers of a window that ended at the last decide()
 
@@ -258,8 +262,9 @@ class FreezePolicy(ABC):
         """One line for the end of a run: how much froze, or why nothing did."""
         if len(self.frozen) > self.prior_layers:
             return f"{len(self.frozen)} of {self.num_layers} layers frozen in {self.windows_done} decision windows"
-        if self.max_frozen <= self.prior_layers:
-            return f"{self._nothing()}: freeze.max_fraction allows no layer" + (" beyond it" if self.prior_layers else "")
+        if min(self.max_frozen, self.evidence_cap) <= self.prior_layers:
+            setting = "freeze.max_fraction" if self.max_frozen <= self.prior_layers else "freeze.evidence_max_fraction"
+            return f"{self._nothing()}: {setting} allows no layer" + (" beyond it" if self.prior_layers else "")
         return f"{self._nothing()} in {self.windows_done} decision windows"
 
     def _nothing(self) -> str:
@@ -284,10 +289,18 @@ class FreezePolicy(ABC):
             return 0.0
         return self.spent[min(self.steps_done, len(self.spent)) - 1]
 
+    def _cap_evidence(self, evidence_max_fraction: float | None) -> None:
+        """The evidence policies' depth cap: at most that share of the layers frozen, and never fewer than the prior."""
+        if evidence_max_fraction is not None:
+            self.evidence_cap = max(self.prior_layers,
+                                    math.floor(evidence_max_fraction * self.num_layers + _FLOAT_SLACK))
+
     def budget(self) -> int:
-        """Layers evidence may have frozen by now (all of them without a learning-rate schedule)."""
+        """Layers evidence may have frozen by now: the learning-rate budget (all of them without a schedule), within
+        the evidence cap."""
         spent = self.spent_share()
-        return self.num_layers if spent is None else budget_layers(self.num_layers, self.prior_layers, spent)
+        budget = self.num_layers if spent is None else budget_layers(self.num_layers, self.prior_layers, spent)
+        return min(budget, self.evidence_cap)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state: enough to make the same future decisions after a restart."""
@@ -427,8 +440,10 @@ class GradientPolicy(FreezePolicy):
 
     name = "gradient"
 
-    def __init__(self, num_layers: int, *, percentile: float, max_change: float | None, **common: Any) -> None:
+    def __init__(self, num_layers: int, *, percentile: float, max_change: float | None,
+                 evidence_max_fraction: float | None = None, **common: Any) -> None:
         super().__init__(num_layers, **common)
+        self._cap_evidence(evidence_max_fraction)
         self.percentile = percentile
         self.max_change = max_change
         self.decisions = 0
@@ -475,6 +490,7 @@ class GradientPolicy(FreezePolicy):
             "bound": bound,
             "spent": self.spent_share(),
             "cap": self.max_frozen,
+            "evidence_cap": self.evidence_cap,
         }
         return self._bounded_prefix(candidate, bound), details
 
@@ -517,8 +533,8 @@ class CoherencePolicy(FreezePolicy):
     a layer (its previous gradient was lost, e.g. moved to another rank) counts as still learning. ``max_advance`` (1 by
     default) lets at most that many more layers freeze per decision, so each layer freezes on its own evidence, in a
     window of its own, while the layers above keep adapting. How deep the evidence may go is bounded by what the run
-    has left: ``budget_layers`` of the learning rate spent (the safety cap, counted in ``cap_binds``), and by
-    ``max_fraction`` when the user sets one. Every window records, per layer, why it froze or did not (``reasons``).
+    has left: ``budget_layers`` of the learning rate spent, within ``evidence_max_fraction`` of the layers (the safety
+    caps, counted together in ``cap_binds``), and by ``max_fraction`` when the user sets one. Every window records, per layer, why it froze or did not (``reasons``).
 
     ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
     or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
@@ -538,8 +554,9 @@ class CoherencePolicy(FreezePolicy):
     name = "coherence"
 
     def __init__(self, num_layers: int, *, threshold: float, max_advance: int | None, learned_by: str,
-                 learned_min_steps: int, **common: Any) -> None:
+                 learned_min_steps: int, evidence_max_fraction: float | None = None, **common: Any) -> None:
         super().__init__(num_layers, **common)
+        self._cap_evidence(evidence_max_fraction)
         self.threshold = threshold
         self.max_advance = max_advance
         self.learned_by = learned_by
@@ -605,14 +622,15 @@ class CoherencePolicy(FreezePolicy):
         bound = self.budget()
         details = {"decision_index": self.decisions, "coherence": coherence, "previous_coherence": previous,
                    "threshold": self.threshold, "candidate": candidate, "bound": bound, "spent": self.spent_share(),
-                   "cap": self.max_frozen}
+                   "cap": self.max_frozen, "evidence_cap": self.evidence_cap}
         advance_limit = self.num_layers
         if self.max_advance is not None:
             advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
         target = self._bounded_prefix(min(candidate, advance_limit), bound)
         learned_by_now = self.learned_earlier if self.learned_by == "layer" else [any(self.learned_earlier)] * self.num_layers
         details["reasons"] = self._reasons(target, candidate, converged, learned_by_now, coherence,
-                                           holds={HELD_BY_BUDGET: bound, HELD_BY_ADVANCE: advance_limit,
+                                           holds={HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_BUDGET: bound,
+                                                  HELD_BY_ADVANCE: advance_limit,
                                                   HELD_BY_MAX_FRACTION: self.max_frozen})
         return target, details
 
@@ -637,7 +655,7 @@ class CoherencePolicy(FreezePolicy):
 
     def outcome(self) -> str:
         """Why nothing froze, in the test's terms: the bottom layer must converge first (freezing is a prefix)."""
-        if len(self.frozen) > self.prior_layers or self.max_frozen <= self.prior_layers:
+        if len(self.frozen) > self.prior_layers or min(self.max_frozen, self.evidence_cap) <= self.prior_layers:
             return super().outcome()
         if self.interval_unit == "steps":
             window_steps = self.interval
@@ -721,6 +739,7 @@ def make_policy(
     alpha: float = FreezeConfig.alpha,
     percentile: float = FreezeConfig.percentile,
     max_fraction: float | None = FreezeConfig.max_fraction,
+    evidence_max_fraction: float | None = FreezeConfig.evidence_max_fraction,
     schedule: Sequence[Sequence[int]] | None = None,
     max_change: float | None = FreezeConfig.max_change,
     threshold: float = FreezeConfig.threshold,
@@ -746,9 +765,9 @@ def make_policy(
     if interval_unit not in INTERVAL_UNITS[:2]:
         raise ValueError(f"freeze.interval_unit must be one of {', '.join(INTERVAL_UNITS[:2])} here (turn a fraction "
                          f"into steps with window_steps first), got {interval_unit!r}")
-    check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction, max_change=max_change,
-                        threshold=threshold, max_advance=max_advance, learned_by=learned_by,
-                        learned_min_steps=learned_min_steps)
+    check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction,
+                        evidence_max_fraction=evidence_max_fraction, max_change=max_change, threshold=threshold,
+                        max_advance=max_advance, learned_by=learned_by, learned_min_steps=learned_min_steps)
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     if not 0 <= prior_layers < num_layers:
@@ -756,10 +775,12 @@ def make_policy(
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction,
                               "prior_layers": prior_layers, "spent": spent}
     if name == "coherence":
-        return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance,
-                                learned_by=learned_by, learned_min_steps=learned_min_steps, **common)
+        return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance, learned_by=learned_by,
+                               learned_min_steps=learned_min_steps, evidence_max_fraction=evidence_max_fraction,
+                               **common)
     if name == "gradient":
-        return GradientPolicy(num_layers, percentile=percentile, max_change=max_change, **common)
+        return GradientPolicy(num_layers, percentile=percentile, max_change=max_change,
+                              evidence_max_fraction=evidence_max_fraction, **common)
     if name == "geometric":
         return GeometricPolicy(num_layers, alpha=alpha, **common)
     if name == "random":
@@ -796,7 +817,8 @@ def policy_from_settings(settings: FreezeConfig, num_layers: int, *, seed: int, 
     rates = learning_rates if learning_rates is not None else [1.0] * total_steps
     return make_policy(name, num_layers, interval=int(interval),
                        interval_unit=unit, alpha=settings.alpha, percentile=settings.percentile,
-                       max_fraction=settings.max_fraction, schedule=settings.schedule,
+                       max_fraction=settings.max_fraction, evidence_max_fraction=settings.evidence_max_fraction,
+                       schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold,
                        max_advance=settings.max_advance, learned_by=settings.learned_by,
                        learned_min_steps=settings.learned_min_steps, seed=seed,
