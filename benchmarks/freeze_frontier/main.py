@@ -353,7 +353,7 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
         if not table:
             continue
         payload["tasks"][name] = table
-        _figure(name, table, split, RESULTS / f"frontier-{name}-{split}.png")
+        _figure(name, table, split, RESULTS / f"{stem}-{name}-{split}.png")
         sections.append(_task_markdown(tasks[name], table, split))
     command = f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
     title = f"AutoFreeze frontier, round {round_name}" if round_name else "AutoFreeze frontier"
