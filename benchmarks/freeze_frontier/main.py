@@ -266,8 +266,10 @@ def verdicts(task: str, table: dict[str, dict[str, Any]], arm: str = "default") 
         lines.append(f"- speed: {arm} {row['speedup']:.2f}x, the fastest fixed freeze within the bound `{best}` "
                      f"{passing[best]['speedup']:.2f}x: {share:.2f} of it (needs >= {SPEED_SHARE_OF_BEST_FIXED}): "
                      f"{'met' if share >= SPEED_SHARE_OF_BEST_FIXED else 'MISSED'}")
-    else:
+    elif fixed:
         lines.append("- speed: no fixed freeze meets the accuracy bound: nothing to be as fast as")
+    else:
+        lines.append("- speed: no fixed freeze ran in this round (see the frontier's tables)")
     target = TARGETS.get(task, SHORT_TARGET)
     lines.append(f"- target: {row['speedup']:.2f}x the faster plain baseline (target >= {target}x): "
                  f"{'met' if row['speedup'] >= target else 'MISSED'}")

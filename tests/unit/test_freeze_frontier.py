@@ -63,5 +63,7 @@ def test_candidates_for_the_default_are_judged_by_the_same_conditions(tmp_path: 
     assert "`default` did not finish" not in markdown  # a round of candidates has no default: no line for it
     assert "- accuracy: half +0.00" in markdown and "- speed: half 2.00x" in markdown
     assert "- accuracy: prior2_half -1.00" in markdown and "MISSED" in markdown
+    without_fixed = frontier.summarize({name: runs[name] for name in ("ddp", "half")}, "test")
+    assert "no fixed freeze ran in this round" in frontier._task_markdown(task, without_fixed, "test")
     assert "| `half` | 0 | 3@10 (25%) |" in markdown  # the candidates' freezes are listed with the default's
     assert set(frontier.CANDIDATES).isdisjoint(frontier.ARMS)  # a plain launch never runs a candidate
