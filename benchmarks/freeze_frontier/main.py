@@ -80,7 +80,7 @@ FIXED_DEPTHS = (1, 2, 3, 4)
 GEOMETRIC_ALPHA = 1 / 3
 GEOMETRIC_MAX_FRACTION = 0.84
 DEEP_DEPTH = 12
-DEEP_BACKBONE = "pretrained/vit_fashion_12.pt"
+DEEP_BACKBONE = "pretrained/vit_fashion_12.safetensors"
 DEEP_PRETRAIN_EPOCHS = 10
 """The 12-layer ViT's masked-patch pretraining, as the 6-layer backbone's (``common.TASKS['vit']``)."""
 NO_BUDGET = "pipe.device_memory_gb=null"
