@@ -151,7 +151,7 @@ class FreezeConfig:
 
     enabled: bool = False  # AutoFreeze
     policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "coherence"  # coherence: freeze the layers whose gradient turned to noise; gradient: the paper's test
-    prior: int | Literal["auto", "none", "embeddings"] = "auto"  # frozen from the first step: auto = the embeddings for pretrained weights, nothing for random init; k = the embeddings and the bottom k layers
+    prior: int | Literal["auto", "none", "embeddings"] = "auto"  # frozen from the first step: auto = the embeddings and a third of the layers (rounded down) for pretrained weights, nothing for random init; k = the embeddings and the bottom k layers
     interval: int | float = 0.05  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
     interval_unit: Literal["steps", "epochs", "fraction"] = "fraction"  # fraction: of the run's planned steps
     min_window_steps: int = 10  # interval_unit fraction: no window shorter than this many steps
@@ -162,7 +162,7 @@ class FreezeConfig:
     learned_min_steps: int = 20  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (two windows of the 10-step floor; a longer window counts alone)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
-    evidence_max_fraction: float | None = None  # coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
+    evidence_max_fraction: float | None = 0.5  # coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
     max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 

@@ -93,7 +93,7 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
 
 @pytest.mark.parametrize(("overrides", "embeddings", "layers"), [
     ([], False, 0),  # tiny_text: random weights (model.hf_config), so auto freezes nothing
-    (["model.kind=minilm"], True, 0),  # pretrained weights: auto is the embeddings
+    (["model.kind=minilm"], True, 1),  # pretrained weights: auto is the embeddings and a third of the 3 layers
     (["freeze.prior=embeddings"], True, 0),
     (["freeze.prior=2"], True, 2),
     (["model.kind=minilm", "freeze.prior=none"], False, 0),

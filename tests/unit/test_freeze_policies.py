@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "alpha": 0.25,
     "percentile": 50.0,
     "max_fraction": 1.0,
+    "evidence_max_fraction": None,
     "schedule": None,
     "max_change": None,
     "threshold": 0.1,

@@ -87,14 +87,16 @@ def test_a_frozen_prefix_runs_without_autograd_and_restores_grad_mode() -> None:
     assert outputs == [True, False] and loss.requires_grad and torch.is_grad_enabled()
 
 
-def test_the_prior_freezes_a_pretrained_models_embeddings_before_the_first_step() -> None:
+def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_layers_before_the_first_step() -> None:
     model = _bert()
     optimizer = torch.optim.AdamW(model.parameters())
     freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
-    assert freezer.prior.embeddings and freezer.frozen_layers == 0
-    assert not any(p.requires_grad or p in in_optimizer for p in model.bert.embeddings.parameters())
-    assert all(p.requires_grad and p in in_optimizer for p in model.bert.encoder.parameters())
-    assert not model.bert.embeddings.training and model.bert.encoder.layer[0].training
+    assert freezer.prior.embeddings and freezer.prior.layers == freezer.frozen_layers == 1  # a third of 3 layers
+    frozen = [*model.bert.embeddings.parameters(), *model.bert.encoder.layer[0].parameters()]
+    assert not any(p.requires_grad or p in in_optimizer for p in frozen)
+    assert all(p.requires_grad and p in in_optimizer for layer in model.bert.encoder.layer[1:] for p in layer.parameters())
+    assert not model.bert.embeddings.training and not model.bert.encoder.layer[0].training
+    assert model.bert.encoder.layer[1].training
     untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100)  # from_config: random
     assert not untouched.prior.embeddings

@@ -32,7 +32,7 @@ from pipetransformer.config import UNWINDOWED, FreezeConfig, check_freeze_values
 
 __all__ = [
     "INTERVAL_UNITS",
-    "PRETRAINED_PRIOR",
+    "PRETRAINED_PRIOR_SHARE",
     "FreezePrior",
     "POLICY_NAMES",
     "FreezeDecision",
@@ -57,10 +57,12 @@ __all__ = [
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
 POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
 PRIOR_AUTO, PRIOR_NONE, PRIOR_EMBEDDINGS = "auto", "none", "embeddings"
-PRETRAINED_PRIOR: str | int = PRIOR_EMBEDDINGS
-"""What ``freeze.prior: auto`` freezes from the first step of a model loaded with pretrained weights. Pretrained
-token and patch embeddings are the part of a model a fine-tune moves least; the bottom layers are left to the
-evidence. A model trained from random initialisation starts with nothing frozen."""
+PRETRAINED_PRIOR_SHARE = 1 / 3
+"""What ``freeze.prior: auto`` freezes from the first step of a model loaded with pretrained weights: the embeddings
+and this share of the layers, rounded down (2 of 6, 4 of 12), one layer at least left training. Chosen on validation
+in the freeze frontier's round ``choice`` (benchmarks/freeze_frontier): the fastest of four registered candidates,
+each of which held the -0.5 point bound on two tasks of three. A model trained from random initialisation starts
+with nothing frozen."""
 
 FROZEN_BEFORE, FREEZES = "frozen", "freezes"
 HELD_BY_BUDGET, HELD_BY_ADVANCE, HELD_BY_MAX_FRACTION = "held:budget", "held:max_advance", "held:max_fraction"
@@ -105,12 +107,16 @@ class FreezePrior:
 
 
 def resolve_prior(setting: str | int, num_layers: int, *, pretrained: bool) -> FreezePrior:
-    """``freeze.prior`` for a model: ``auto`` is ``PRETRAINED_PRIOR`` for pretrained weights and ``none`` for a
-    random initialisation; ``embeddings``; or an integer ``k``, the embeddings and the bottom ``k`` layers."""
+    """``freeze.prior`` for a model: ``auto`` is the embeddings and ``PRETRAINED_PRIOR_SHARE`` of the layers for
+    pretrained weights and ``none`` for a random initialisation; ``embeddings``; or an integer ``k``, the embeddings
+    and the bottom ``k`` layers."""
     source = f"freeze.prior: {setting}"
     if setting == PRIOR_AUTO:
         source += ", pretrained weights" if pretrained else ", random initialisation"
-        setting = PRETRAINED_PRIOR if pretrained else PRIOR_NONE
+        if not pretrained:
+            return FreezePrior(False, 0, source)
+        layers = min(math.floor(PRETRAINED_PRIOR_SHARE * num_layers + _FLOAT_SLACK), num_layers - 1)
+        return FreezePrior(True, max(layers, 0), source)
     if setting == PRIOR_NONE:
         return FreezePrior(False, 0, source)
     if setting == PRIOR_EMBEDDINGS:
