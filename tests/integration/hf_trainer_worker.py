@@ -133,7 +133,9 @@ def main() -> None:
             "decisions": autofreeze.decisions, "log_history": trainer.state.log_history,
             "reduced_per_step": probe.per_step, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "embeddings": sum(p.numel() for p in model.bert.embeddings.parameters()),
+            "prior_layers": autofreeze.freezer.prior.layers if autofreeze.freezer else None,
+            "prior_frozen": sum(p.numel() for module in (model.bert.embeddings, *model.bert.encoder.layer[
+                :autofreeze.freezer.prior.layers if autofreeze.freezer else 0]) for p in module.parameters()),
             "optimized": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
             "with_state": sum(p.numel() for p in trainer.optimizer.state),
             "training_modes": probe.training_modes, "eval": metrics,

@@ -49,8 +49,10 @@ def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the
     assert 1 <= frozen < LAYERS
     reduced = result["reduced_per_step"]
     assert len(reduced) == STEPS
-    # pretrained weights: the prior froze the embeddings before the first step (out of the all-reduce from the start)
-    assert reduced[:first + 1] == [result["parameters"] - result["embeddings"]] * (first + 1)
+    # pretrained weights: the prior froze the embeddings and a third of the layers before the first step (out of the
+    # all-reduce from the start)
+    assert result["prior_layers"] == LAYERS // 3
+    assert reduced[:first + 1] == [result["parameters"] - result["prior_frozen"]] * (first + 1)
     # each decision shrinks the next step's all-reduce (one decided at the last step has no next step)
     assert reduced == sorted(reduced, reverse=True) and reduced[first + 1] < reduced[first]
     assert len(set(reduced)) == 1 + len([d for d in decisions if d["global_step"] < STEPS - 1])

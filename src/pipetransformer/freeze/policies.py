@@ -274,7 +274,9 @@ class FreezePolicy(ABC):
         return f"{self._nothing()} in {self.windows_done} decision windows"
 
     def _nothing(self) -> str:
-        return f"nothing froze beyond the prior's {self.prior_layers} layers" if self.prior_layers else "nothing froze"
+        if not self.prior_layers:
+            return "nothing froze"
+        return f"nothing froze beyond the prior's {self.prior_layers} layer{'s' if self.prior_layers > 1 else ''}"
 
     def _capped_prefix(self, count: int) -> frozenset[int]:
         """The first ``count`` layers, capped by ``max_fraction`` (never fewer than the prior)."""
