@@ -181,8 +181,9 @@ class FreezeConfig:
         if isinstance(self.prior, int) and self.prior < 0:
             raise ConfigError(f"freeze.prior must be auto, none, embeddings or a layer count >= 0, got {self.prior}")
         check_freeze_values(alpha=self.alpha, percentile=self.percentile, max_fraction=self.max_fraction,
-                            evidence_max_fraction=self.evidence_max_fraction, max_change=self.max_change, threshold=self.threshold, max_advance=self.max_advance,
-                            learned_by=self.learned_by, learned_min_steps=self.learned_min_steps)
+                            evidence_max_fraction=self.evidence_max_fraction, max_change=self.max_change,
+                            threshold=self.threshold, max_advance=self.max_advance, learned_by=self.learned_by,
+                            learned_min_steps=self.learned_min_steps)
         if self.policy == "schedule" and self.enabled and not self.schedule:
             raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
         previous: list[int] | None = None

@@ -8,9 +8,8 @@ Every policy is monotone (a frozen layer never thaws: its cached outputs and the
 around it stay valid). A run may start from a prior (``FreezePrior``: the embeddings, or the embeddings and
 the bottom layers, frozen from the first step) that the policy then builds on. The policies that decide from
 evidence (coherence, gradient) are bounded by the run's learning-rate budget (``budget_layers``) and by a depth cap
-(``evidence_max_fraction``: the top layers keep training); a user's
-``max_fraction``, when set, caps every deciding policy; a schedule is the user's explicit plan and freezes what
-it lists.
+(``evidence_max_fraction``: the top layers keep training); a user's ``max_fraction``, when set, caps every deciding
+policy; a schedule is the user's explicit plan and freezes what it lists.
 Policies count steps and epochs themselves from ``decide`` calls (a step is counted when ``step``
 differs from the previous call's), so how a trainer numbers its steps (0- or 1-based) cannot shift a
 window, and a trainer may call once more at an epoch's end with the same ``step`` and
@@ -115,8 +114,8 @@ def resolve_prior(setting: str | int, num_layers: int, *, pretrained: bool) -> F
         source += ", pretrained weights" if pretrained else ", random initialisation"
         if not pretrained:
             return FreezePrior(False, 0, source)
-        layers = min(math.floor(PRETRAINED_PRIOR_SHARE * num_layers + _FLOAT_SLACK), num_layers - 1)
-        return FreezePrior(True, max(layers, 0), source)
+        return FreezePrior(True, min(math.floor(PRETRAINED_PRIOR_SHARE * num_layers + _FLOAT_SLACK), num_layers - 1),
+                           source)
     if setting == PRIOR_NONE:
         return FreezePrior(False, 0, source)
     if setting == PRIOR_EMBEDDINGS:
@@ -542,7 +541,8 @@ class CoherencePolicy(FreezePolicy):
     default) lets at most that many more layers freeze per decision, so each layer freezes on its own evidence, in a
     window of its own, while the layers above keep adapting. How deep the evidence may go is bounded by what the run
     has left: ``budget_layers`` of the learning rate spent, within ``evidence_max_fraction`` of the layers (the safety
-    caps, counted together in ``cap_binds``), and by ``max_fraction`` when the user sets one. Every window records, per layer, why it froze or did not (``reasons``).
+    caps, counted together in ``cap_binds``), and by ``max_fraction`` when the user sets one. Every window records, per
+    layer, why it froze or did not (``reasons``).
 
     ``learned_by`` says whose window of learning starts a layer's test: any layer's (``any_layer``, the default)
     or the layer's own (``layer``, the rule until 2026-11-26). Coherence rises and falls with the run's phase on
