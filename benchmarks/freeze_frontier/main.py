@@ -94,7 +94,7 @@ ARMS: dict[str, Member] = {
     "single": Member("ddp", nproc=1),
     "embed": Member("all", (NO_BUDGET, "freeze.policy=none", "freeze.prior=embeddings")),
     **{f"fixed{k}": Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
-                                   f"freeze.schedule=[[0,{k}]]")) for k in FIXED_DEPTHS},
+                                   f"freeze.schedule=[[0,{k}]]", "freeze.prior=embeddings")) for k in FIXED_DEPTHS},
     "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=none")),
     "default": Member("all", (NO_BUDGET,)),
@@ -103,7 +103,7 @@ QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
 HALF = "freeze.max_fraction=0.5"
 """Evidence freezes at most half the layers (the policy is coherence, so the cap binds no other policy)."""
 CANDIDATES: dict[str, Member] = {
-    "half": Member("all", (NO_BUDGET, HALF)),
+    "half": Member("all", (NO_BUDGET, HALF, "freeze.prior=embeddings")),
     "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
     "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
     "prior1_third": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.prior=1")),
@@ -111,6 +111,9 @@ CANDIDATES: dict[str, Member] = {
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
+PRIOR_SETTING = "freeze.prior="
+"""Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not
+change what a fixed freeze or a candidate means (``auto`` became two layers of six on 2026-11-28)."""
 MAX_SEED = 16
 """The report looks for seeds below this (or the task's own count, if larger): launches may add seeds beyond it."""
 

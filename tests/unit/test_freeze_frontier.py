@@ -67,3 +67,11 @@ def test_candidates_for_the_default_are_judged_by_the_same_conditions(tmp_path: 
     assert "no fixed freeze ran in this round" in frontier._task_markdown(task, without_fixed, "test")
     assert "| `half` | 0 | 3@10 (25%) |" in markdown  # the candidates' freezes are listed with the default's
     assert set(frontier.CANDIDATES).isdisjoint(frontier.ARMS)  # a plain launch never runs a candidate
+
+
+def test_every_arm_but_the_default_pins_its_prior() -> None:
+    """A fixed freeze is the embeddings and k layers whatever ``freeze.prior: auto`` means today."""
+    for name, member in frontier.ALL_ARMS.items():
+        if name in ("default", *frontier.PLAIN):
+            continue
+        assert any(o.startswith(frontier.PRIOR_SETTING) for o in member.overrides), name
