@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "geometric-1/2": ["freeze.policy=geometric", "freeze.alpha=0.5"],
     "gradient": ["freeze.policy=gradient"],
 }
+PINNED_PRIOR = "freeze.prior=embeddings"
+"""``auto`` until 2026-11-28, when it became a third of the layers: the variants keep the prior they had."""
 
 
 def _freeze_path(summary: dict[str, Any]) -> str:
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TASK.config(MEMBER)
     results = []
     for repeat, variant in interleaved_order(args.variants, args.repeats):
-        overrides = [*(TASK.quick_overrides(MEMBER) if args.quick else []), *VARIANTS[variant]]
+        overrides = [*(TASK.quick_overrides(MEMBER) if args.quick else []), *VARIANTS[variant], PINNED_PRIOR]
         results.append(run_training(variant.replace("/", "_"), config, repeat, args.runs_dir, overrides))
         results[-1].name = variant
     table = _aggregate(results)

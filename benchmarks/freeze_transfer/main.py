@@ -92,9 +92,10 @@ CONFIGS: dict[str, Member] = {
     "all": Member("all", (NO_BUDGET,)),
     "freeze_only": Member("freeze_only"),
     **{name: Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
-                            f"freeze.schedule=[[0,{layers}]]")) for name, layers in FIXED_FREEZES.items()},
+                            f"freeze.schedule=[[0,{layers}]]", "freeze.prior=embeddings"))  # auto until
+       for name, layers in FIXED_FREEZES.items()},  # 2026-11-28, when it became a third of the layers
     "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
-                                 f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}")),
+                                 f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=embeddings")),
     # candidate defaults, run only when named in --configs (own results file, paired through --pool); all_third was
     # adopted as the package default on 2026-11-25, so it equals all since, and stays for its recorded files
     "all_third": Member("all", (NO_BUDGET, f"freeze.max_fraction={THIRD}")),

@@ -89,6 +89,7 @@ COMMON = (
     f"data.max_length={MAX_LENGTH}", f"train.epochs={EPOCHS_PER_FROZEN_COUNT * LAYERS}",
     "train.eval_every_steps=100000", "run.log_every=1", "pipe.enabled=true", "pipe.device_memory_gb=null",
     "dp.enabled=false", "freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=epochs",
+    "freeze.prior=embeddings",  # auto until 2026-11-28, when it became a third of the layers
     "freeze.schedule=" + json.dumps([[EPOCHS_PER_FROZEN_COUNT * k, k] for k in range(1, LAYERS)]).replace(" ", ""),
 )
 ALL_CONFIG = CONFIG_DIR / "text_minilm_all.yaml"
