@@ -91,9 +91,10 @@ CONFIGS: dict[str, Member] = {
     "single": Member("ddp", nproc=1),
     "all": Member("all", (NO_BUDGET,)),
     "freeze_only": Member("freeze_only"),
+    # the fixed and geometric arms pin the prior `auto` meant until 2026-11-28, when it became a third of the layers
     **{name: Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
-                            f"freeze.schedule=[[0,{layers}]]", "freeze.prior=embeddings"))  # auto until
-       for name, layers in FIXED_FREEZES.items()},  # 2026-11-28, when it became a third of the layers
+                            f"freeze.schedule=[[0,{layers}]]", "freeze.prior=embeddings"))
+       for name, layers in FIXED_FREEZES.items()},
     "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=embeddings")),
     # candidate defaults, run only when named in --configs (own results file, paired through --pool); all_third was

@@ -127,15 +127,17 @@ def main() -> None:
     trainer.add_callback(restored)
     trainer.train(resume_from_checkpoint=args.resume)
     metrics = trainer.evaluate()
+    prior_layers = autofreeze.freezer.prior.layers if autofreeze.freezer else 0
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out, args.result).write_text(json.dumps({
             "restored_state_equal": restored.equal, "restored_tensors": restored.tensors,
             "decisions": autofreeze.decisions, "log_history": trainer.state.log_history,
             "reduced_per_step": probe.per_step, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "prior_layers": autofreeze.freezer.prior.layers if autofreeze.freezer else None,
-            "prior_frozen": sum(p.numel() for module in (model.bert.embeddings, *model.bert.encoder.layer[
-                :autofreeze.freezer.prior.layers if autofreeze.freezer else 0]) for p in module.parameters()),
+            "prior_layers": prior_layers,
+            "prior_frozen": sum(p.numel() for module in (model.bert.embeddings,
+                                                         *model.bert.encoder.layer[:prior_layers])
+                                for p in module.parameters()),
             "optimized": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
             "with_state": sum(p.numel() for p in trainer.optimizer.state),
             "training_modes": probe.training_modes, "eval": metrics,
