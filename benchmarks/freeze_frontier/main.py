@@ -9,12 +9,14 @@ a few seeds at a time and every launch's runs are read together)::
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split validation  # tables and figures, no test
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test        # once the default is fixed
     .venv/bin/python benchmarks/freeze_frontier/main.py --round choice --task fashion_mnist --arms ddp half
+    .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test --round confirm --with-frontier
 
 Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
 cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
 and the bottom k layers frozen from the first step, cached); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
 (the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``). ``CANDIDATES`` for a new
-default run only when named, in a round of their own (``--round``) beside a ``ddp`` of the same launch.
+default run only when named, in a round of their own (``--round``) beside a ``ddp`` of the same launch; a round's
+report can set the frontier's other arms beside its own (``--with-frontier``), each paired with its own launch.
 
 Every task reads fresh test rows: ``data.split_seed`` is ``FRESH_SPLIT_SEED`` (registered in this folder's README
 before any run of the current default), so its validation and test rows differ from the rows the freeze_transfer
@@ -107,9 +109,13 @@ CANDIDATES: dict[str, Member] = {
     "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
     "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
     "prior1_third": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.prior=1")),
+    "previous_default": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.evidence_max_fraction=null",
+                                       "freeze.prior=embeddings")),
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
-on validation beside a ``ddp`` of the same launch, by the README's rule."""
+on validation beside a ``ddp`` of the same launch, by the README's rule. ``previous_default`` is the default until
+2026-11-28 (the embeddings, evidence up to a third of the layers): the frontier's first launches ran it as
+``default``, and their runs carry its name."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not
@@ -266,9 +272,11 @@ def verdicts(task: str, table: dict[str, dict[str, Any]], arm: str = "default") 
     if passing:
         best = max(passing, key=lambda name: passing[name]["speedup"])
         share = row["speedup"] / passing[best]["speedup"]
+        across = row.get("launch") != passing[best].get("launch")
         lines.append(f"- speed: {arm} {row['speedup']:.2f}x, the fastest fixed freeze within the bound `{best}` "
                      f"{passing[best]['speedup']:.2f}x: {share:.2f} of it (needs >= {SPEED_SHARE_OF_BEST_FIXED}): "
-                     f"{'met' if share >= SPEED_SHARE_OF_BEST_FIXED else 'MISSED'}")
+                     f"{'met' if share >= SPEED_SHARE_OF_BEST_FIXED else 'MISSED'}"
+                     + (" (speed-ups from two launches, each against its own baseline)" if across else ""))
     elif fixed:
         lines.append("- speed: no fixed freeze meets the accuracy bound: nothing to be as fast as")
     else:
@@ -281,11 +289,14 @@ def verdicts(task: str, table: dict[str, dict[str, Any]], arm: str = "default") 
     return lines
 
 
-def _task_markdown(task: FrontierTask, table: dict[str, dict[str, Any]], split: str) -> str:
-    header = ["arm", "seeds", f"{split} acc %", "vs faster plain, paired (± SE)", "95% interval",
-              "speed-up (median)", "per-seed range", "layers frozen at end", "load"]
-    rows = [[f"`{name}`", len(r["seeds"]), fmt(r["accuracy"] * PERCENT), f"{r['difference'] * PERCENT:+.2f} ± "
-             f"{r['se'] * PERCENT:.2f}", f"{(r['difference'] - Z_95 * r['se']) * PERCENT:+.2f} to "
+def _task_markdown(task: FrontierTask, table: dict[str, dict[str, Any]], split: str,
+                   notes: Sequence[str] = ()) -> str:
+    launches = any("launch" in r for r in table.values())
+    header = ["arm", *(["launch"] if launches else []), "seeds", f"{split} acc %", "vs faster plain, paired (± SE)",
+              "95% interval", "speed-up (median)", "per-seed range", "layers frozen at end", "load"]
+    rows = [[f"`{name}`", *([r.get("launch", "")] if launches else []), len(r["seeds"]),
+             fmt(r["accuracy"] * PERCENT), f"{r['difference'] * PERCENT:+.2f} ± {r['se'] * PERCENT:.2f}",
+             f"{(r['difference'] - Z_95 * r['se']) * PERCENT:+.2f} to "
              f"{(r['difference'] + Z_95 * r['se']) * PERCENT:+.2f}", fmt(r["speedup"], 2, "x"),
              f"{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}", ",".join(map(str, r["frozen_at_end"])),
              fmt(r["load"], 2)] for name, r in table.items()]
@@ -295,7 +306,7 @@ def _task_markdown(task: FrontierTask, table: dict[str, dict[str, Any]], split: 
     conditions = [line for name in judged for line in verdicts(task.name, table, name)]
     return "\n".join([f"### {task.name} (`configs/{task.prefix}_*.yaml`)", "",
                       f"Shared overrides: `{' '.join(task.data)}`", "", markdown_table(header, rows), "",
-                      *conditions, "",
+                      *conditions, *notes, "",
                       markdown_table(["arm", "seed", "frozen layers @ step (share of the run)"], freezes), ""])
 
 
@@ -349,18 +360,51 @@ def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir
                          [*task.data, f"seed={seed}", *member.overrides], nproc=member.nproc)
 
 
+def beside_frontier(round_table: dict[str, dict[str, Any]], frontier_table: dict[str, dict[str, Any]],
+                    round_name: str) -> dict[str, dict[str, Any]]:
+    """A round's arms with the frontier launch's arms it did not run beside them, in ``ALL_ARMS`` order. Every row
+    keeps its own launch's pairing (speed-up and accuracy against that launch's faster plain baseline), so comparing
+    rows of two launches compares ratios, each measured in one interleaved launch; ``launch`` says which."""
+    merged = {name: {**row, "launch": "frontier"} for name, row in frontier_table.items() if name not in round_table}
+    merged.update({name: {**row, "launch": round_name} for name, row in round_table.items()})
+    return {name: merged[name] for name in ALL_ARMS if name in merged}
+
+
+def baseline_agreement(round_runs: dict[str, dict[int, RunResult]], frontier_runs: dict[str, dict[int, RunResult]],
+                       split: str) -> str:
+    """Whether the two launches' ``ddp`` reached the same accuracy seed by seed (training is deterministic on CPU): if
+    so, the round's arms and the frontier's were paired with the same baseline predictions."""
+    key = SUMMARY_KEY[split]
+    seeds = sorted(set(round_runs.get("ddp", {})) & set(frontier_runs.get("ddp", {})))
+    if not seeds:
+        return "- the round and the frontier share no `ddp` seed: their rows are paired with different baselines"
+    gaps = [abs(round_runs["ddp"][s].summary[key] - frontier_runs["ddp"][s].summary[key]) * PERCENT for s in seeds]
+    same = sum(1 for gap in gaps if gap == 0)
+    return (f"- the round's `ddp` and the frontier's: {same} of {len(seeds)} seeds reach the same {split} accuracy "
+            f"(largest gap {max(gaps):.2f} points)")
+
+
 def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str, stem: str,
-            round_name: str | None = None) -> str:
+            round_name: str | None = None, frontier_dir: Path | None = None) -> str:
+    """Tables and figures for the named tasks; with ``frontier_dir``, the round's arms beside the frontier's."""
     sections, payload = [], {"split": split, "machine": machine_info(), "tasks": {}}
     RESULTS.mkdir(exist_ok=True)
     for name in names:
-        table = summarize(_collect(tasks[name], runs_dir), split)
+        runs = _collect(tasks[name], runs_dir)
+        table = summarize(runs, split)
+        notes: list[str] = []
+        if frontier_dir is not None and round_name is not None:
+            frontier_runs = _collect(tasks[name], frontier_dir)
+            table = beside_frontier(table, summarize(frontier_runs, split), round_name)
+            if runs and frontier_runs:
+                notes.append(baseline_agreement(runs, frontier_runs, split))
         if not table:
             continue
         payload["tasks"][name] = table
         _figure(name, table, split, RESULTS / f"{stem}-{name}-{split}.png")
-        sections.append(_task_markdown(tasks[name], table, split))
-    command = f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
+        sections.append(_task_markdown(tasks[name], table, split, notes))
+    command = (f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
+               + (" --with-frontier" if frontier_dir is not None else ""))
     title = f"AutoFreeze frontier, round {round_name}" if round_name else "AutoFreeze frontier"
     markdown = "\n".join([f"# {title} ({split} split)", "",
                           f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py {command}`", "",
@@ -378,11 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only these arms (default: all of ARMS; CANDIDATES run only when named)")
     parser.add_argument("--round", help="a named round (e.g. choice): its runs in RUNS_DIR/ROUND, its report in "
                                         "results/frontier-ROUND-SPLIT.md, so its arms pair with its own ddp")
+    parser.add_argument("--with-frontier", action="store_true",
+                        help="a round's report with the frontier's arms it did not run beside its own, each paired "
+                             "with its own launch's baseline")
     parser.add_argument("--report", action="store_true", help="tables and figures from the finished runs only")
     parser.add_argument("--split", choices=(VALIDATION, TEST), default=VALIDATION,
                         help="which split the report reads (settings are chosen on validation)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
     args = parser.parse_args(argv)
+    if args.with_frontier and not args.round:
+        parser.error("--with-frontier needs --round NAME: it sets a round's arms beside the frontier's")
     tasks = frontier_tasks(args.runs_dir)
     runs_dir = args.runs_dir / args.round if args.round else args.runs_dir
     stem = f"frontier-{args.round}" if args.round else "frontier"
@@ -396,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--seeds must be in 0..{max(task.seeds, MAX_SEED) - 1}, the seeds the report reads")
         _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), runs_dir)
     if args.report or args.task:
-        print(_report(tasks, list(FRONTIER_TASKS[1:]), runs_dir, args.split, stem, args.round))
+        print(_report(tasks, list(FRONTIER_TASKS[1:]), runs_dir, args.split, stem, args.round,
+                      args.runs_dir if args.with_frontier else None))
         return 0
     parser.print_usage()
     return 2

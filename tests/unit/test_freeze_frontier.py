@@ -75,3 +75,34 @@ def test_every_arm_but_the_default_pins_its_prior() -> None:
         if name in ("default", *frontier.PLAIN):
             continue
         assert any(o.startswith(frontier.PRIOR_SETTING) for o in member.overrides), name
+
+
+def test_a_rounds_arms_sit_beside_the_frontiers_each_paired_with_its_own_launch(tmp_path: Path) -> None:
+    correct, one_wrong = [1] * 200, [0] + [1] * 199
+    frontier_runs = {
+        "ddp": {s: _run(tmp_path, "ddp", s, 100.0, correct) for s in (0, 1)},
+        "fixed2": {s: _run(tmp_path, "fixed2", s, 60.0, one_wrong, frozen=2) for s in (0, 1)},
+        "previous_default": {s: _run(tmp_path, "previous_default", s, 70.0, correct, frozen=2) for s in (0, 1)},
+    }
+    round_runs = {  # a slower launch: its ddp took 120 s, so its default's 72 s is 1.67x, not 100/72 = 1.39x
+        "ddp": {s: _run(tmp_path, "ddp-round", s, 120.0, correct) for s in (0, 1)},
+        "default": {s: _run(tmp_path, "default", s, 72.0, correct, frozen=3) for s in (0, 1)},
+    }
+    table = frontier.beside_frontier(frontier.summarize(round_runs, "test"),
+                                     frontier.summarize(frontier_runs, "test"), "confirm")
+    assert list(table) == ["ddp", "fixed2", "default", "previous_default"]  # ALL_ARMS order, the round's ddp kept
+    assert table["ddp"]["launch"] == "confirm" and table["fixed2"]["launch"] == "frontier"
+    assert table["default"]["speedup"] == pytest.approx(120 / 72)
+    assert table["fixed2"]["speedup"] == pytest.approx(100 / 60)
+    speed = frontier.verdicts("rotten_tomatoes", table)[1]
+    assert "`fixed2`" in speed and "1.00 of it" in speed and "two launches" in speed
+    agreement = frontier.baseline_agreement(round_runs, frontier_runs, "test")
+    assert "2 of 2 seeds reach the same test accuracy" in agreement
+    differing = {"ddp": {0: _run(tmp_path, "ddp-other", 0, 100.0, one_wrong)}}
+    assert "0 of 1 seeds" in frontier.baseline_agreement(differing, frontier_runs, "test")
+    assert "share no `ddp` seed" in frontier.baseline_agreement({}, frontier_runs, "test")
+
+
+def test_with_frontier_needs_a_round() -> None:
+    with pytest.raises(SystemExit):
+        frontier.main(["--report", "--with-frontier"])
