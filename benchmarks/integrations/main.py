@@ -10,6 +10,8 @@ freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on
 
     .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
     .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes
+
+A finished run is recorded in the runs folder and not run again: a launch cut short goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -111,6 +113,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path) -> dict[str, Any]:
+    """One run, or the record of it if an earlier launch into the same folder finished it (a launch can stop between
+    runs and go on later: ``--seeds 2`` today, ``--seeds 3`` tomorrow runs the third seed's pair only)."""
+    done_file = out / f"{configuration}-seed{seed}.done.json"
+    if done_file.is_file():
+        recorded = json.loads(done_file.read_text())
+        if recorded.get("split_seed") != split_seed:
+            raise SystemExit(f"error: {done_file} was run with --split-seed {recorded.get('split_seed')}, not "
+                             f"{split_seed}: pass that split seed or a new --out folder")
+        return recorded
     result_file = out / f"{configuration}-seed{seed}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                str(Path(__file__).resolve()), "--worker", configuration, "--seed", str(seed),
@@ -121,7 +132,9 @@ def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path)
     if done.returncode != 0:
         raise RuntimeError(f"{configuration} seed {seed} failed:\n{done.stderr[-4000:]}")
     result = json.loads(result_file.read_text())
-    result.update(wall_s=time.time() - started, load_before=load_before, load_after=os.getloadavg()[0])
+    result.update(wall_s=time.time() - started, load_before=load_before, load_after=os.getloadavg()[0],
+                  split_seed=split_seed)
+    done_file.write_text(json.dumps(result))
     return result
 
 
