@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -210,12 +211,23 @@ def _per_sample(run: RunResult, split: str) -> list[float] | None:
     return [float(v) for v in json.loads(path.read_text())["final"]] if path.is_file() else None
 
 
+def prior_layers(summary: dict[str, Any]) -> int:
+    """Layers the prior froze from the first step: ``summary.json``'s count, or, in runs recorded before it was kept,
+    the prior's description (``FreezePrior.describe``)."""
+    if "freeze_prior_layers" in summary:
+        return int(summary["freeze_prior_layers"])
+    match = re.search(r"the bottom (\d+) layers? frozen", summary.get("freeze_prior") or "")
+    return int(match.group(1)) if match else 0
+
+
 def _freeze_story(summary: dict[str, Any]) -> tuple[int, str]:
-    """Layers frozen at the end, and ``k@step (share)`` for every decision."""
+    """Layers frozen at the end, and ``k@step (share)`` for the prior (step 0) and every decision."""
     steps = summary.get("steps") or 1
     decisions = summary.get("freeze_decisions") or []
-    story = ", ".join(f"{len(d['frozen'])}@{d['step']} ({d['step'] / steps:.0%})" for d in decisions) or "none"
-    return (len(decisions[-1]["frozen"]) if decisions else 0), story
+    prior = prior_layers(summary)
+    story = ", ".join([*([f"{prior}@0 (prior)"] if prior else []),
+                       *(f"{len(d['frozen'])}@{d['step']} ({d['step'] / steps:.0%})" for d in decisions)]) or "none"
+    return max(prior, len(decisions[-1]["frozen"]) if decisions else 0), story
 
 
 def summarize(runs: dict[str, dict[int, RunResult]], split: str) -> dict[str, dict[str, Any]]:
@@ -247,6 +259,7 @@ def summarize(runs: dict[str, dict[int, RunResult]], split: str) -> dict[str, di
             "difference": difference, "se": se, "speedup": walls[baseline] / walls[name],
             "speedup_range": (min(ratios), max(ratios)), "wall_s": walls[name],
             "frozen_at_end": [count for count, _ in frozen], "freezes": [story for _, story in frozen],
+            "prior_runs": sum(1 for s in seeds if prior_layers(by_seed[s].summary)),
             "acted": sum(1 for s in seeds if by_seed[s].summary.get("freeze_decisions")),
             "cap_binds": [int(by_seed[s].summary.get("freeze_cap_binds") or 0) for s in seeds],
             "load": statistics.median(r.load_mean for r in by_seed.values() if r.load_mean is not None)
@@ -284,8 +297,9 @@ def verdicts(task: str, table: dict[str, dict[str, Any]], arm: str = "default") 
     target = TARGETS.get(task, SHORT_TARGET)
     lines.append(f"- target: {row['speedup']:.2f}x the faster plain baseline (target >= {target}x): "
                  f"{'met' if row['speedup'] >= target else 'MISSED'}")
-    lines.append(f"- {arm} acted (froze a layer) in {row['acted']} of {len(row['seeds'])} runs; the budget held "
-                 f"converged layers back in {sum(row['cap_binds'])} windows")
+    lines.append(f"- {arm}'s prior froze layers from the first step in {row['prior_runs']} of {len(row['seeds'])} "
+                 f"runs; the evidence froze more in {row['acted']} of {len(row['seeds'])}; the caps held converged "
+                 f"layers back in {sum(row['cap_binds'])} windows")
     return lines
 
 

@@ -118,6 +118,7 @@ def test_the_prior_freezes_what_its_setting_says_before_the_optimizer_is_built(
     described = freezer.prior.describe()
     assert ("frozen from the first step" in described) == embeddings
     assert ("freeze.prior" if config.freeze.enabled else "freeze.enabled: false") in described
+    assert freezer.summary(log=False)["freeze_prior_layers"] == layers  # summary.json's count, for scripts
     # a resumed run re-applies the prior to a fresh model and keeps the policy's layers
     fresh = AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=False)
     fresh.load_state_dict(freezer.state_dict())

@@ -42,7 +42,7 @@ def test_pairs_with_the_faster_plain_baseline_and_checks_the_issues_conditions(t
     # fixed3 (-2 points) misses the bound, so the default is held to fixed2's speed: 90/61 over 90/60 = 0.98
     assert "`fixed2`" in lines[1] and "0.98 of it" in lines[1] and lines[1].endswith("met")
     assert "1.48x" in lines[2] and lines[2].endswith("met")  # the short tasks' 1.3x target
-    assert "acted (froze a layer) in 2 of 2 runs" in lines[3]
+    assert "prior froze layers from the first step in 0 of 2 runs; the evidence froze more in 2 of 2" in lines[3]
     slower = dict(runs, default={s: _run(tmp_path, "default-slow", s, 70.0, correct, frozen=1) for s in (0, 1)})
     assert frontier.verdicts("rotten_tomatoes", frontier.summarize(slower, "test"))[1].endswith("MISSED")
     worse = dict(runs, default={s: _run(tmp_path, "default-worse", s, 61.0, [0] * 2 + [1] * 198) for s in (0, 1)})
@@ -106,3 +106,16 @@ def test_a_rounds_arms_sit_beside_the_frontiers_each_paired_with_its_own_launch(
 def test_with_frontier_needs_a_round() -> None:
     with pytest.raises(SystemExit):
         frontier.main(["--report", "--with-frontier"])
+
+
+def test_the_prior_counts_in_the_story_and_the_layers_frozen() -> None:
+    """The prior freezes before any decision: runs say so by count (``freeze_prior_layers``) or, recorded earlier,
+    by the prior's description."""
+    counted = {"steps": 100, "freeze_prior_layers": 2, "freeze_decisions": [{"step": 30, "frozen": [0, 1, 2]}]}
+    assert frontier._freeze_story(counted) == (3, "2@0 (prior), 3@30 (30%)")
+    described = {"steps": 100, "freeze_decisions": [],
+                 "freeze_prior": "the embeddings and the bottom 4 layers frozen from the first step (freeze.prior: auto)"}
+    assert frontier._freeze_story(described) == (4, "4@0 (prior)")
+    embeddings_only = {"freeze_prior": "the embeddings frozen from the first step (freeze.prior: embeddings)"}
+    assert frontier.prior_layers(embeddings_only) == 0
+    assert frontier._freeze_story({"steps": 10}) == (0, "none")
