@@ -19,10 +19,11 @@ default run only when named, in a round of their own (``--round``) beside a ``dd
 report can set the frontier's other arms beside its own (``--with-frontier``), each paired with its own launch.
 
 Every task reads fresh test rows: ``data.split_seed`` is ``FRESH_SPLIT_SEED`` (registered in this folder's README
-before any run of the current default), so its validation and test rows differ from the rows the freeze_transfer
-runs read (split_seed 0). Fashion-MNIST's own test files (t10k) were read there and no seed changes them, so the
-image tasks hold their test rows out of the training files (``fmnist_folder``: the Debian training files alone, the
-test split a seeded 10% of them). Settings are chosen on validation (``--split validation``, the default of
+before any run on it; ``--split-seed`` reads an older split, each in its own ``--runs-dir``), so its validation and
+test rows differ from the rows earlier runs read (split_seed 0 in freeze_transfer, 52 in round ``confirm``).
+Fashion-MNIST's own test files (t10k) were read in freeze_transfer and no seed changes them, so the image tasks
+hold their test rows out of the training files (``fmnist_folder``: the Debian training files alone, the test split
+a seeded 10% of them). Settings are chosen on validation (``--split validation``, the default of
 ``--report``); ``--split test`` is for the one reading after the default is fixed, and the README says how many
 times each split was read.
 
@@ -43,7 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipetransformer.metrics import TEST_SAMPLES_FILE
+from pipetransformer.predict import CONFIG_FILE as RUN_CONFIG_FILE  # the resolved config every run writes
 from pipetransformer.report import combined_se, seeds_difference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -69,8 +73,10 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_frontier"
 PERCENT = 100.0
-FRESH_SPLIT_SEED = 52
-"""Registered 2026-11-27 (issue 52), before any run of the embeddings-prior default read a test number."""
+FRESH_SPLIT_SEED = 53
+"""Registered 2026-11-28 08:50 UTC (issue 52), before any run on it: split_seed 52 (registered 2026-11-27) had its
+test rows read once, by round ``confirm``, and is development data from then on (``--split-seed 52`` reads it)."""
+SPLIT_SETTING = "data.split_seed="
 ACCURACY_BOUND_POINTS = 0.5
 """The default's paired test difference from the faster plain baseline must be at least -0.5 points."""
 SPEED_SHARE_OF_BEST_FIXED = 0.97
@@ -140,6 +146,10 @@ class FrontierTask:
     def config(self, member: str) -> Path:
         return CONFIG_DIR / f"{self.prefix}_{member}.yaml"
 
+    @property
+    def split_seed(self) -> int:
+        return next(int(o.removeprefix(SPLIT_SETTING)) for o in self.data if o.startswith(SPLIT_SETTING))
+
 
 def fmnist_folder(runs_dir: Path) -> str:
     """A folder holding only the Debian Fashion-MNIST training files (links), so ``image_folder`` carves its test
@@ -168,8 +178,8 @@ def ensure_deep_backbone(runs_dir: Path) -> None:
             raise SystemExit(f"error: pretraining the 12-layer backbone failed; see {runs_dir / 'pretrain-deep.log'}")
 
 
-def frontier_tasks(runs_dir: Path) -> dict[str, FrontierTask]:
-    fresh = f"data.split_seed={FRESH_SPLIT_SEED}"
+def frontier_tasks(runs_dir: Path, split_seed: int = FRESH_SPLIT_SEED) -> dict[str, FrontierTask]:
+    fresh = f"{SPLIT_SETTING}{split_seed}"
     epochs = ("train.epochs=3", "train.eval_every_steps=null")
     debates = ("data.name=text_csv", f"data.path={debates_path()}", "data.text_column=statement",
                "data.label_column=party")
@@ -355,8 +365,18 @@ def _collect(task: FrontierTask, runs_dir: Path) -> dict[str, dict[int, RunResul
         for seed in range(max(task.seeds, MAX_SEED)):
             result = finished_run(name, seed, runs_dir / task.name)
             if result is not None:
+                _check_split(result, task.split_seed)
                 found.setdefault(name, {})[seed] = result
     return found
+
+
+def _check_split(run: RunResult, split_seed: int) -> None:
+    """A runs directory holds one split's runs: pairing rows of two splits would compare different test rows."""
+    config = Path(run.run_dir) / RUN_CONFIG_FILE
+    ran = (yaml.safe_load(config.read_text()).get("data") or {}).get("split_seed") if config.is_file() else None
+    if ran != split_seed:
+        raise SystemExit(f"error: {run.run_dir} ran data.split_seed {ran}, this report reads {split_seed}: pass "
+                         f"--split-seed {ran}, or give this split its own --runs-dir")
 
 
 def _run(task: FrontierTask, seeds: Sequence[int], arms: Sequence[str], runs_dir: Path) -> None:
@@ -442,11 +462,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="tables and figures from the finished runs only")
     parser.add_argument("--split", choices=(VALIDATION, TEST), default=VALIDATION,
                         help="which split the report reads (settings are chosen on validation)")
-    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR)
+    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR, help="one split seed's runs")
+    parser.add_argument("--split-seed", type=int, default=FRESH_SPLIT_SEED,
+                        help=f"data.split_seed of every task (default {FRESH_SPLIT_SEED}, the fresh rows; the README "
+                             "counts each split's reads)")
     args = parser.parse_args(argv)
     if args.with_frontier and not args.round:
         parser.error("--with-frontier needs --round NAME: it sets a round's arms beside the frontier's")
-    tasks = frontier_tasks(args.runs_dir)
+    tasks = frontier_tasks(args.runs_dir, args.split_seed)
     runs_dir = args.runs_dir / args.round if args.round else args.runs_dir
     stem = f"frontier-{args.round}" if args.round else "frontier"
     if args.quick:

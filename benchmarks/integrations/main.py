@@ -5,8 +5,8 @@ on 2 gloo processes under torchrun (1 thread each), the settings of ``configs/te
 32, AdamW lr 1e-4, weight decay 0.01, 6% linear warm-up then linear decay, gradient clip 1.0, 64 tokens at most
 (batches padded to their longest), 3 epochs of the whole training split. The callback uses the package's default
 freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on the test split of ``--split-seed``
-(52049 by default; the README counts its reads), paired with the baseline by seed and by row. Runs are interleaved per seed
-(baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
+(52049 by default; the README counts its reads), paired with the baseline by seed and by row. Runs are interleaved
+per seed (baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
 
     .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
     .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes

@@ -114,8 +114,22 @@ def test_the_prior_counts_in_the_story_and_the_layers_frozen() -> None:
     counted = {"steps": 100, "freeze_prior_layers": 2, "freeze_decisions": [{"step": 30, "frozen": [0, 1, 2]}]}
     assert frontier._freeze_story(counted) == (3, "2@0 (prior), 3@30 (30%)")
     described = {"steps": 100, "freeze_decisions": [],
-                 "freeze_prior": "the embeddings and the bottom 4 layers frozen from the first step (freeze.prior: auto)"}
+                 "freeze_prior": "the embeddings and the bottom 4 layers frozen from the first step (freeze.prior: 4)"}
     assert frontier._freeze_story(described) == (4, "4@0 (prior)")
     embeddings_only = {"freeze_prior": "the embeddings frozen from the first step (freeze.prior: embeddings)"}
     assert frontier.prior_layers(embeddings_only) == 0
     assert frontier._freeze_story({"steps": 10}) == (0, "none")
+
+
+def test_a_report_refuses_runs_of_another_split(tmp_path: Path) -> None:
+    """Rows of two splits must never be paired: each runs directory holds one split seed's runs."""
+    task = frontier.frontier_tasks(tmp_path, split_seed=53)["rotten_tomatoes"]
+    assert task.split_seed == 53
+    (tmp_path / task.name).mkdir()
+    run = _run(tmp_path / task.name, "ddp", 0, 100.0, [1] * 10)
+    Path(run.run_dir, frontier.RUN_CONFIG_FILE).write_text("data:\n  split_seed: 52\n")
+    (tmp_path / task.name / "ddp-r0.result.json").write_text(json.dumps(run.__dict__))
+    with pytest.raises(SystemExit, match="ran data.split_seed 52, this report reads 53: pass --split-seed 52"):
+        frontier._collect(task, tmp_path)
+    assert set(frontier._collect(frontier.frontier_tasks(tmp_path, split_seed=52)["rotten_tomatoes"], tmp_path)) \
+        == {"ddp"}
