@@ -74,7 +74,7 @@ RESULTS = HERE / "results"
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_frontier"
 PERCENT = 100.0
 FRESH_SPLIT_SEED = 53
-"""Registered 2026-11-28 08:50 UTC (issue 52), before any run on it: split_seed 52 (registered 2026-11-27) had its
+"""Registered 2026-11-28 08:44 UTC (issue 52), before any run on it: split_seed 52 (registered 2026-11-27) had its
 test rows read once, by round ``confirm``, and is development data from then on (``--split-seed 52`` reads it)."""
 SPLIT_SETTING = "data.split_seed="
 ACCURACY_BOUND_POINTS = 0.5
