@@ -437,8 +437,10 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
         payload["tasks"][name] = table
         _figure(name, table, split, RESULTS / f"{stem}-{name}-{split}.png")
         sections.append(_task_markdown(tasks[name], table, split, notes))
+    split_seed = tasks[names[0]].split_seed
     command = (f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
-               + (" --with-frontier" if frontier_dir is not None else ""))
+               + (" --with-frontier" if frontier_dir is not None else "")
+               + (f" --split-seed {split_seed}" if split_seed != FRESH_SPLIT_SEED else ""))
     title = f"AutoFreeze frontier, round {round_name}" if round_name else "AutoFreeze frontier"
     markdown = "\n".join([f"# {title} ({split} split)", "",
                           f"Command: `.venv/bin/python benchmarks/freeze_frontier/main.py {command}`", "",
