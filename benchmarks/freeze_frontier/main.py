@@ -116,13 +116,12 @@ CANDIDATES: dict[str, Member] = {
     "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
     "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
     "prior1_third": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.prior=1")),
-    "previous_default": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.evidence_max_fraction=null",
-                                       "freeze.prior=embeddings")),
+    "previous_default": Member("all", (NO_BUDGET, "freeze.evidence_max_fraction=null", "freeze.prior=embeddings")),
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule. ``previous_default`` is the default until
-2026-11-28 (the embeddings, evidence up to a third of the layers): the frontier's first launches ran it as
-``default``, and their runs carry its name."""
+2026-11-28 (the embeddings, then evidence bounded by the learning-rate budget alone: 5 of 6 layers by the end in
+every run of the 6-layer tasks): the frontier's first launches ran it as ``default``, and their runs carry its name."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not
