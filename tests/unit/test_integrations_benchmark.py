@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,7 +54,7 @@ def test_without_rows_the_error_is_the_seeds_spread_and_the_target_can_fail() ->
     assert "over the seeds only" in integrations._markdown(summary, results, "made up")
 
 
-def test_a_finished_run_is_reused_and_a_different_split_seed_is_refused(tmp_path) -> None:
+def test_a_finished_run_is_reused_and_a_different_split_seed_is_refused(tmp_path: Path) -> None:
     recorded = {**_result("baseline", 0, 100.0, [1, 0]), "wall_s": 120.0, "split_seed": 7}
     (tmp_path / "baseline-seed0.done.json").write_text(json.dumps(recorded))
     assert integrations._run("baseline", 0, False, 7, tmp_path) == recorded  # no process started

@@ -116,7 +116,7 @@ class AutoFreeze:
     def summary(self, log: bool) -> dict[str, Any]:
         """What froze, or why nothing did, and what the prior froze: a user should not have to read the traces."""
         record = {"freeze_outcome": self.policy.outcome(), "freeze_prior": self.prior.describe(),
-                  "freeze_prior_layers": self.prior.layers if self.prior.embeddings else 0}
+                  "freeze_prior_layers": self.prior.layers}
         if log:
             logger.info("freeze: %s", record["freeze_outcome"])
         return record
