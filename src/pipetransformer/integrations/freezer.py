@@ -67,8 +67,9 @@ class AutoFreezer:
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
     ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
     evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
-    is ignored). Its ``prior`` freezes the embeddings from the first step for pretrained weights: ``pretrained``
-    says whether they are (default: a Hugging Face model loaded with ``from_pretrained``, which records its path).
+    is ignored). Its ``prior`` freezes the embeddings and a third of the layers from the first step for pretrained
+    weights: ``pretrained`` says whether they are (default: a Hugging Face model loaded with ``from_pretrained``,
+    which records its path).
     ``cache`` (``CacheConfig`` with ``enabled``) keeps the frozen layers' output per sample for the forwards run
     inside :meth:`serving`; it needs ``cache_samples`` (the dataset's size) and, for text, ``cache_max_length``
     (the longest batch, in tokens).
