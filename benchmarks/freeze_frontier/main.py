@@ -13,7 +13,8 @@ a few seeds at a time and every launch's runs are read together)::
 
 Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
 cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
-and the bottom k layers frozen from the first step, cached); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
+and the bottom k layers frozen from the first step, cached; every run of splits 52 and 53, on code before the fix of
+2026-11-28, froze the k layers after it); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
 (the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``). ``CANDIDATES`` for a new
 default run only when named, in a round of their own (``--round``) beside a ``ddp`` of the same launch; a round's
 report can set the frontier's other arms beside its own (``--with-frontier``), each paired with its own launch.

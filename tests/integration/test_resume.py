@@ -26,7 +26,7 @@ VIT = "tiny_vit.yaml"
 SAMPLES = 96
 COMMON = ("run.save_model=true", "run.record_samples=true", "deterministic=true", f"data.max_train_samples={SAMPLES}",
           "train.epochs=6", "checkpoint.every_steps=3", "freeze.enabled=true", "freeze.policy=schedule",
-          "freeze.interval_unit=steps", "freeze.schedule=[[9,2]]")
+          "freeze.interval_unit=steps", "freeze.schedule=[[0,1],[9,2]]")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,10 @@ def test_sigkill_of_a_worker_resumes_exactly(tmp_path: Path, uninterrupted: Path
     result = summary(crashed)
     assert result["restarts"] == 1
     assert result["steps"] == summary(reference)["steps"] == 36
+    # The schedule's entry at 0 froze layer 0 before the first step: recorded once, not again by the resume.
+    assert [d["step"] for d in result["freeze_decisions"]] == [d["step"] for d in summary(reference)[
+        "freeze_decisions"]] == [0, 9]
+    assert [e["step"] for e in logged_records(crashed, "freeze")] == [0, 9]
     for name, tensor in weights(reference).items():
         assert torch.equal(weights(crashed)[name], tensor), f"{name} differs after resume"
     for name, tensor in optimizer_state(reference).items():

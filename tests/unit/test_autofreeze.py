@@ -125,6 +125,21 @@ def test_the_prior_freezes_what_its_setting_says_before_the_optimizer_is_built(
     assert [p.requires_grad for p in fresh.model.parameters()] == [p.requires_grad for p in model.parameters()]
 
 
+def test_a_schedule_entry_at_zero_freezes_before_the_optimizer_is_built_and_is_recorded_at_step_zero() -> None:
+    config = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=schedule", "freeze.interval_unit=steps",
+                                       "freeze.schedule=[[0,2]]", "freeze.prior=embeddings"])
+    model = tiny_model()
+    freezer = AutoFreeze.from_config(config, model, planned_steps=100, steps_per_epoch=50, warn=False)
+    assert freezer.start_record() == {"step": 0, "epoch": 0, "frozen": [0, 1], "at": 0, "scheduled": 2}
+    assert [all(not p.requires_grad for p in block.parameters()) for block in model.blocks] == \
+        [i < 3 for i in range(len(model.blocks))]
+    optimizer = HeldOptimizer(model, config.train)
+    optimizer.rebuild((0, len(model)), {})
+    assert freezer.update(1, 0, epoch_end=False, optimizer=optimizer) is None, "nothing left to freeze at step 1"
+    assert AutoFreeze.from_config(load_config(ROOT_CONFIG, ["freeze.enabled=true"]), tiny_model(), planned_steps=100,
+                                  steps_per_epoch=50, warn=False).start_record() is None
+
+
 def test_a_prior_that_leaves_no_layer_training_is_refused() -> None:
     config = load_config(ROOT_CONFIG, ["freeze.enabled=true", f"freeze.prior={LAYERS}"])
     with pytest.raises(ConfigError, match="freeze.prior must be auto, none, embeddings or a layer count in 0..2"):

@@ -673,6 +673,20 @@ def test_schedule_outcome_names_the_schedule_not_windows() -> None:
     assert late.outcome() == "nothing froze: freeze.schedule's first freeze is due after 20 steps, the run did 8"
 
 
+def test_a_schedule_entry_at_zero_holds_before_the_first_step() -> None:
+    """``[[0, k]]`` is "frozen from the start", as the prior is: no step may train those layers first."""
+    start = build("schedule", schedule=[[0, 2], [3, 4]], max_fraction=1.0)
+    assert start.frozen == frozenset({0, 1})
+    assert start.start_decision is not None and start.start_decision.step == 0
+    assert start.start_decision.details == {"at": 0, "scheduled": 2}
+    decisions = run(start, [[1.0] * NUM_LAYERS] * 4)
+    assert [d.step if d else None for d in decisions] == [None, None, 2, None]  # the entry at 3: after 3 steps
+    assert start.frozen == frozenset(range(4))
+    within_prior = build("schedule", schedule=[[0, 1]], max_fraction=1.0, prior_layers=2)
+    assert within_prior.frozen == frozenset({0, 1}) and within_prior.start_decision is None
+    assert build("schedule", schedule=[[5, 1]], max_fraction=1.0).start_decision is None
+
+
 def test_coherence_of_simulated_gradients_tells_signal_from_noise() -> None:
     """Real vectors, 10k dimensions: every layer's gradient keeps its direction for a window; then layers 0-2
     turn into independent noise around zero while layers 3-5 keep a signal as large as their noise."""

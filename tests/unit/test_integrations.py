@@ -78,13 +78,17 @@ def test_settings_that_cannot_work_are_refused_before_training() -> None:
 def test_a_frozen_prefix_runs_without_autograd_and_restores_grad_mode() -> None:
     model = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters())
-    freezer = AutoFreezer(model, optimizer, settings=FreezeConfig(policy="schedule", schedule=[[0, 1]]))
+    freezer = AutoFreezer(model, optimizer, settings=FreezeConfig(policy="schedule", schedule=[[1, 1]]))
     outputs: list[bool] = []
     model.transformer.h[0].register_forward_hook(lambda module, args, output: outputs.append(output[0].requires_grad))
     model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     assert freezer.step() is not None and freezer.frozen_layers == 1
     loss = model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss
     assert outputs == [True, False] and loss.requires_grad and torch.is_grad_enabled()
+    at_start = _gpt2()  # a schedule's entry at 0 holds before the first step, as the prior does
+    AutoFreezer(at_start, torch.optim.AdamW(at_start.parameters()), settings=FreezeConfig(policy="schedule",
+                                                                                         schedule=[[0, 1]]))
+    assert not any(p.requires_grad for p in at_start.transformer.h[0].parameters())
 
 
 def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_layers_before_the_first_step() -> None:

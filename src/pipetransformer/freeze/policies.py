@@ -208,6 +208,7 @@ class FreezePolicy(ABC):
         self.evidence_cap = num_layers  # the evidence policies' cap (``freeze.evidence_max_fraction``)
         self.last_step: int | None = None
         self.last_window: dict[str, Any] | None = None  # the numbers of a window that ended at the last decide()
+        self.start_decision: FreezeDecision | None = None  # layers frozen before the first step beyond the prior
 
     def windows_before_a_freeze(self, window_steps: int) -> int:
         """Decision windows of ``window_steps`` steps the policy needs before it can freeze anything."""
@@ -399,15 +400,21 @@ class RandomPolicy(GeometricPolicy):
 class SchedulePolicy(FreezePolicy):
     """Explicit ``(at, frozen_count)`` pairs: once ``at`` steps (or epochs) are done, freeze that many first layers.
 
-    ``max_fraction`` does not cap it: the bound guards the policies that decide for themselves, and a schedule
-    that froze fewer layers than it lists would be silently wrong (``[[0, 3]]`` of six layers is three at any
-    ``max_fraction``)."""
+    An entry at 0 holds before the first step, as the prior does: its layers never take an update and never get
+    optimizer state (``start_decision`` records it). ``max_fraction`` does not cap a schedule: the bound guards the
+    policies that decide for themselves, and a schedule that froze fewer layers than it lists would be silently
+    wrong (``[[0, 3]]`` of six layers is three at any ``max_fraction``)."""
 
     name = "schedule"
 
     def __init__(self, num_layers: int, *, schedule: Sequence[Sequence[int]], **common: Any) -> None:
         super().__init__(num_layers, **common)
         self.schedule = _validated_schedule(schedule, num_layers)
+        at_start = max((count for at, count in self.schedule if at == 0), default=0)
+        if at_start > len(self.frozen):
+            self.frozen = frozenset(range(at_start))
+            self.start_decision = FreezeDecision(self.frozen, step=0, epoch=0,
+                                                 details={"at": 0, "scheduled": at_start})
 
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
         progress = self.steps_done if self.interval_unit == "steps" else self.epochs_done

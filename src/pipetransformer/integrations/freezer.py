@@ -118,7 +118,7 @@ class AutoFreezer:
                         "not from the activation cache (pass cache=CacheConfig(enabled=True) and cache_samples=, "
                         "then run the forward inside serving(indices), if sample indices are stable and inputs "
                         "not augmented)")
-        self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior, before the first step
+        self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior (and a schedule's entry at 0)
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
         if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):

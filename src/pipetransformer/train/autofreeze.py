@@ -14,8 +14,8 @@ from typing import Any
 
 from pipetransformer.config import UNWINDOWED, Config, ConfigError
 from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
-from pipetransformer.freeze.policies import (FreezePolicy, FreezePrior, frozen_blocks, frozen_prefix_layers,
-                                             policy_from_settings, resolve_prior)
+from pipetransformer.freeze.policies import (FreezeDecision, FreezePolicy, FreezePrior, frozen_blocks,
+                                             frozen_prefix_layers, policy_from_settings, resolve_prior)
 from pipetransformer.optim import lr_at
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.control import ControlVector
@@ -110,8 +110,13 @@ class AutoFreeze:
         if decision is None:
             return None
         self._apply(optimizer)
-        return {"step": step, "epoch": epoch, "frozen": sorted(decision.frozen),
-                **{k: v for k, v in decision.details.items() if _jsonable(v)}}
+        return _record(decision)
+
+    def start_record(self) -> dict[str, Any] | None:
+        """The layers the policy froze before the first step beyond the prior (a schedule's entry at 0), as the
+        record of a decision at step 0; None when there are none. A fresh run records it; a resumed one has it."""
+        decision = self.policy.start_decision
+        return None if decision is None else _record(decision)
 
     def summary(self, log: bool) -> dict[str, Any]:
         """What froze, or why nothing did, and what the prior froze: a user should not have to read the traces."""
@@ -134,6 +139,11 @@ class AutoFreeze:
         """The policy's counters and frozen set, applied to the model (its optimizer is built afterwards)."""
         self.policy.load_state_dict(state)
         self._apply(None)
+
+
+def _record(decision: FreezeDecision) -> dict[str, Any]:
+    return {"step": decision.step, "epoch": decision.epoch, "frozen": sorted(decision.frozen),
+            **{k: v for k, v in decision.details.items() if _jsonable(v)}}
 
 
 def _jsonable(value: Any) -> bool:

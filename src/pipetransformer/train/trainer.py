@@ -76,9 +76,14 @@ class Trainer:
                                 freezer=self.freezer, layout=self.layout, progress=self.progress, config=config)
         self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, env)
         resumed = self.checkpointer.resume(self.state)
+        start_freeze = None if resumed else self.freezer.start_record()
+        if start_freeze is not None:
+            self.progress.freeze_decisions.append(start_freeze)
         self.layout.follow(self.freezer, self.optimizer, self.progress)
         self.recorder = RunRecorder(self.run_dir, config, env, resumed_at=self.progress.step if resumed else None,
                                     cache_metrics=self.cache.metrics)
+        if start_freeze is not None:
+            self.recorder.event("freeze", start_freeze)
         self.stop_signals = StopSignals(lone_process=env.world_size == 1)
         self.recorder.write_config(config)
 
