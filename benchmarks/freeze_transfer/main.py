@@ -12,11 +12,10 @@ cores), ``all`` (the default freezer with pipeline, elastic data parallelism and
 default freezer alone), ``fixed2`` / ``fixed3`` (the bottom 2 / 3 layers frozen from the first step, cached; the
 recorded runs, before the schedule fix of 2026-11-28, froze them after it), ``geometric`` (the geometric schedule
 alone, alpha 1/3, cached). No memory budget is forced: every config runs the layout the planner picks (the model fits
-one worker). Every seed trains on the same data subset and is
-scored on the same test split (``data.split_seed`` is fixed); the test split is evaluated once, at the end,
-on the final model. Writes ``results/results[-quick].md`` / ``.json``, each run's per-sample test accuracy in
-``per-sample-results[-quick].json`` (``--pool`` adds the test set's own error from it), and a section of
-``benchmarks/README.md``.
+one worker). Every seed trains on the same data subset and is scored on the same test split (``data.split_seed`` is
+fixed); the test split is evaluated once, at the end, on the final model. Writes ``results/results[-quick].md`` /
+``.json``, each run's per-sample test accuracy in ``per-sample-results[-quick].json`` (``--pool`` adds the test set's
+own error from it), and a section of ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
