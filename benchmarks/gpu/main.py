@@ -84,7 +84,7 @@ TRAIN_COMMON = ("run.log_every=1", "run.progress=false", "train.precision=bf16",
                 "freeze.policy=gradient", "freeze.interval=5", "freeze.interval_unit=steps", "freeze.alpha=0.5",
                 "cache.enabled=true", "cache.min_frozen=1", "pipe.enabled=true", "checkpoint.enabled=false")
 TRAIN_BUDGET_S = {"tiny_vit": 30, "minilm": 60}
-"""Seconds; on an H200 (2026-11-28) they took 13.5 and 37.4 (the latter mostly loading MiniLM and its data)."""
+"""Seconds; on an H200 (2026-11-28) they took 12-14 and 31-37 (the latter mostly loading MiniLM and its data)."""
 CLUSTER_PRESET = "h100x8"
 """The planner's GPU preset; the step simulator gets it as one device (an H200 is predicted as an H100)."""
 
