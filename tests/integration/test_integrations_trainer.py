@@ -24,6 +24,7 @@ LOGGING_STEPS = 5
 LAYERS = 6
 TIMEOUT_S = 300
 DDP_ERROR = "Expected to have finished reduction"
+FROZEN = "autofreeze/frozen_layers"  # the callback's key in the Trainer's log
 
 
 def _torchrun(out: Path, *options: str) -> dict[str, Any]:
@@ -41,7 +42,11 @@ def _torchrun(out: Path, *options: str) -> dict[str, Any]:
 
 def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the_boundary(tmp_path: Path) -> None:
     result = _torchrun(tmp_path, "--save-steps", str(CHECKPOINT_AT), "--result", "whole.json")
-    decisions = result["decisions"]
+    # pretrained weights: the prior froze the embeddings and a third of the layers before the first step, recorded
+    # at step 0 (out of the all-reduce from the start); the evidence's decisions follow
+    at_start, *decisions = result["decisions"]
+    assert at_start["global_step"] == 0 and at_start["frozen_layers"] == LAYERS // 3, at_start
+    assert "freeze.prior: auto, pretrained weights" in at_start["at_start"]
     assert decisions, f"nothing froze; the last windows' coherence: {result['coherence']}"
     first = decisions[0]["global_step"]  # decided before the update of step first + 1 (1-based)
     assert 0 < first < CHECKPOINT_AT - 1
@@ -49,8 +54,6 @@ def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the
     assert 1 <= frozen < LAYERS
     reduced = result["reduced_per_step"]
     assert len(reduced) == STEPS
-    # pretrained weights: the prior froze the embeddings and a third of the layers before the first step (out of the
-    # all-reduce from the start)
     assert result["prior_layers"] == LAYERS // 3
     assert reduced[:first + 1] == [result["parameters"] - result["prior_frozen"]] * (first + 1)
     # each decision shrinks the next step's all-reduce (one decided at the last step has no next step)
@@ -60,7 +63,8 @@ def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the
     assert result["optimized"] == result["with_state"] == result["trainable"]  # frozen: out of the optimizer too
     assert result["training_modes"] == [False] * frozen + [True] * (LAYERS - frozen)
     history = result["log_history"]
-    assert any(entry.get("autofreeze/frozen_layers") == decisions[0]["frozen_layers"] for entry in history)
+    logged = [(entry["step"], entry[FROZEN]) for entry in history if FROZEN in entry]
+    assert logged == [(d["global_step"], d["frozen_layers"]) for d in (at_start, *decisions)]
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == STEPS // LOGGING_STEPS and all(0 < loss < 1.0 for loss in losses)
     assert 0.0 <= result["eval"]["eval_accuracy"] <= 1.0 and result["eval"]["eval_loss"] > 0

@@ -47,8 +47,8 @@ class AutoFreezeCallback(TrainerCallback):
 
     ``settings``: ``FreezeConfig`` fields (its defaults otherwise); the decision windows are a share of the
     Trainer's ``max_steps``, and its learning-rate schedule bounds how deep evidence may freeze by each step.
-    Each decision is logged through the Trainer (``trainer.log`` when bound, else into ``state.log_history``) as
-    :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
+    Each decision, the prior's at step 0 included, is logged through the Trainer (``trainer.log`` when bound, else
+    into ``state.log_history``) as :data:`FROZEN_LAYERS_KEY`, and kept in ``decisions``.
     """
 
     def __init__(self, settings: FreezeConfig | None = None, *, trainer: Trainer | None = None,
@@ -107,6 +107,10 @@ class AutoFreezeCallback(TrainerCallback):
             logger.warning("autofreeze: the checkpoint has no %s (bind the callback with AutoFreezeCallback.attach "
                            "to save it): the freeze policy starts afresh at step %d", STATE_FILE, state.global_step)
         self._build(model, optimizer, state.max_steps, lr_scheduler)
+        assert self.freezer is not None
+        frozen, prior = self.freezer.frozen_layers, self.freezer.prior
+        if frozen or prior.embeddings:  # frozen before the first step (the prior, a schedule's entry at 0)
+            self._record({"step": 0, "frozen_layers": frozen, "at_start": prior.describe()}, state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -117,8 +121,10 @@ class AutoFreezeCallback(TrainerCallback):
                               **kwargs: Any) -> None:
         assert self.freezer is not None, "on_train_begin builds the freezer"
         record = self.freezer.step()
-        if record is None:
-            return
+        if record is not None:
+            self._record(record, state)
+
+    def _record(self, record: dict[str, Any], state: TrainerState) -> None:
         record["global_step"] = state.global_step
         self.decisions.append(record)
         logger.info("autofreeze: step %d, the first %d layers frozen", state.global_step, record["frozen_layers"])
