@@ -37,13 +37,15 @@ if world > 1:
 optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
 freezer = AutoFreezer(model, optimizer, total_steps=args.steps,  # finds the layers; the package's default policy
                       cache=CacheConfig(enabled=True), cache_samples=len(data), cache_max_length=MAX_LENGTH)
+if rank == 0 and freezer.at_start is not None:  # the prior: what froze before the first step, and why
+    print(f"step 0: the first {freezer.at_start['frozen_layers']} layers frozen ({freezer.at_start['at_start']})")
 for step in range(args.steps):
     indices = torch.randint(len(data), (16,))[rank::world]  # one seeded draw, this rank's half
     batch = data.get_batch(indices)
     with freezer.serving(indices):  # the frozen layers' output from the cache where every sample has it
         loss = model(input_ids=batch.inputs[0], attention_mask=batch.inputs[1], labels=batch.labels).loss
     loss.backward()
-    if (decision := freezer.step()) is not None:  # after backward, before optimizer.step
+    if (decision := freezer.step()) is not None and rank == 0:  # every rank: after backward, before optimizer.step
         print(f"step {step}: the first {decision['frozen_layers']} layers frozen")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -55,8 +55,12 @@ def test_a_decoder_keeps_its_tied_token_table_training() -> None:
 
 
 def test_models_without_findable_layers_or_with_shared_layers_are_refused_in_one_line() -> None:
-    with pytest.raises(BlockSplitError, match="cannot find the layers of Sequential: .*pass its ordered layers"):
-        find_layer_stack(nn.Sequential(nn.Linear(2, 2)))
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    named_call = r"AutoFreezer\(LayerStack\(layers, embeddings, model\), optimizer\)"
+    with pytest.raises(BlockSplitError, match=f"cannot find the layers of Sequential: .*instead: {named_call}"):
+        AutoFreezer(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=100)
+    stack = LayerStack(layers=tuple(model), embeddings=(), model=model)  # the call the error names works
+    assert AutoFreezer(stack, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=100).frozen_layers == 0
     shared = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="layers 0 and 1 share a parameter"):
         LayerStack((shared, shared))
@@ -102,5 +106,6 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     assert all(p.requires_grad and p in in_optimizer for layer in model.bert.encoder.layer[1:] for p in layer.parameters())
     assert not model.bert.embeddings.training and not model.bert.encoder.layer[0].training
     assert model.bert.encoder.layer[1].training
+    assert freezer.at_start == {"step": 0, "frozen_layers": 1, "at_start": freezer.prior.describe()}
     untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100)  # from_config: random
-    assert not untouched.prior.embeddings
+    assert not untouched.prior.embeddings and untouched.at_start is None

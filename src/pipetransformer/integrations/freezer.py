@@ -63,7 +63,7 @@ class AutoFreezer:
     ordered layers (and the embeddings that freeze with layer 0) of any model, with ``ddp`` its wrapper if any.
     Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
     gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
-    before it steps.
+    before it steps. What froze before the first step (the prior) is recorded in ``at_start``.
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
     ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
     evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
@@ -119,6 +119,11 @@ class AutoFreezer:
                         "then run the forward inside serving(indices), if sample indices are stable and inputs "
                         "not augmented)")
         self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior (and a schedule's entry at 0)
+        self.at_start: dict[str, Any] | None = None
+        """The record of what froze before the first step (``step`` 0, ``frozen_layers``, ``at_start``: the
+        prior's description), None when nothing did: :meth:`step` returns only the decisions taken by evidence."""
+        if self.frozen_layers or self.prior.embeddings:
+            self.at_start = {"step": 0, "frozen_layers": self.frozen_layers, "at_start": self.prior.describe()}
 
     def _warn_if_nothing_can_freeze(self, total_steps: int | None) -> None:
         if self.policy.name in UNWINDOWED or total_steps is None or (dist.is_initialized() and dist.get_rank()):

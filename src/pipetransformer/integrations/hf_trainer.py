@@ -108,9 +108,8 @@ class AutoFreezeCallback(TrainerCallback):
                            "to save it): the freeze policy starts afresh at step %d", STATE_FILE, state.global_step)
         self._build(model, optimizer, state.max_steps, lr_scheduler)
         assert self.freezer is not None
-        frozen, prior = self.freezer.frozen_layers, self.freezer.prior
-        if frozen or prior.embeddings:  # frozen before the first step (the prior, a schedule's entry at 0)
-            self._record({"step": 0, "frozen_layers": frozen, "at_start": prior.describe()}, state)
+        if self.freezer.at_start is not None:  # frozen before the first step (the prior, a schedule's entry at 0)
+            self._record(dict(self.freezer.at_start), state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

@@ -99,7 +99,8 @@ def find_layer_stack(model: nn.Module) -> LayerStack:
     if layers is None:
         paths = ", ".join(LAYER_LIST_PATHS + DECODER_LAYER_LIST_PATHS)
         raise BlockSplitError(f"cannot find the layers of {name}: no non-empty nn.ModuleList at any of {paths}; pass "
-                              "its ordered layers instead (AutoFreezer(layers=[...], ...))")
+                              "its ordered layers instead: AutoFreezer(LayerStack(layers, embeddings, model), "
+                              "optimizer)")
     embedding_paths = (EMBEDDINGS_PATH, *EMBEDDING_PROJECTION_PATHS, *DECODER_EMBEDDING_PATHS)
     embeddings = [found for found in (_lookup(trunk, path) for path in embedding_paths) if isinstance(found, nn.Module)]
     return LayerStack(tuple(layers), tuple({id(e): e for e in embeddings}.values()), model)
