@@ -3,6 +3,8 @@ layer 0, and the one-line errors for what cannot work."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -95,10 +97,14 @@ def test_a_frozen_prefix_runs_without_autograd_and_restores_grad_mode() -> None:
     assert not any(p.requires_grad for p in at_start.transformer.h[0].parameters())
 
 
-def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_layers_before_the_first_step() -> None:
+def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_layers_before_the_first_step(
+        caplog: pytest.LogCaptureFixture) -> None:
     model = _bert()
     optimizer = torch.optim.AdamW(model.parameters())
-    freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
+    with caplog.at_level(logging.INFO, logger="pipetransformer.integrations.freezer"):
+        freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
+    # the start-up line says what froze; the cache is offered to plain loops only (the Trainer builds this too)
+    assert "the embeddings and the bottom 1 layer frozen" in caplog.text and "a plain loop whose" in caplog.text
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     assert freezer.prior.embeddings and freezer.prior.layers == freezer.frozen_layers == 1  # a third of 3 layers
     frozen = [*model.bert.embeddings.parameters(), *model.bert.encoder.layer[0].parameters()]

@@ -101,7 +101,7 @@ class FreezePrior:
     def describe(self) -> str:
         if not self.embeddings:
             return f"nothing frozen from the start ({self.source})"
-        layers = f" and the bottom {self.layers} layers" if self.layers else ""
+        layers = f" and the bottom {self.layers} layer{'s' if self.layers > 1 else ''}" if self.layers else ""
         return f"the embeddings{layers} frozen from the first step ({self.source})"
 
 
