@@ -1,4 +1,5 @@
-"""AutoFreeze inside the Hugging Face Trainer (needs `pip install pipetransformer[hf]`): MiniLM on Rotten Tomatoes.
+"""AutoFreeze inside the Hugging Face Trainer (needs `pip install pipetransformer[hf]`): MiniLM on Rotten Tomatoes,
+the frozen layers' output served from the activation cache (each row carries its index in `idx`).
 
     .venv/bin/python examples/autofreeze_trainer.py [--steps 300]
     .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/autofreeze_trainer.py
@@ -12,6 +13,7 @@ import tempfile
 
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
+from pipetransformer.config import CacheConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezeCallback
 from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -20,8 +22,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--rows", type=int, default=2000, help="training snippets")
 args = parser.parse_args()
-data = load_rotten_tomatoes(load_tokenizer(minilm_path()), 32, limits=SampleLimits(train=args.rows)).train
-rows = [{"input_ids": data.input_ids[i], "attention_mask": data.attention_mask[i], "labels": data.labels[i]}
+MAX_LENGTH = 32
+data = load_rotten_tomatoes(load_tokenizer(minilm_path()), MAX_LENGTH, limits=SampleLimits(train=args.rows)).train
+rows = [{"idx": i, "input_ids": data.input_ids[i], "attention_mask": data.attention_mask[i], "labels": data.labels[i]}
         for i in range(len(data))]
 
 model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
@@ -30,7 +33,10 @@ training = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=args.steps
                              ddp_backend="gloo" if "RANK" in os.environ else None,  # torchrun: CPU processes
                              average_tokens_across_devices=False)  # else a classifier's loss doubles under DDP
 trainer = Trainer(model=model, args=training, train_dataset=rows)
-autofreeze = AutoFreezeCallback.attach(trainer)  # bound to the trainer, so it reaches the DDP wrapper
+autofreeze = AutoFreezeCallback.attach(trainer,  # bound to the trainer, so it reaches the DDP wrapper
+                                       cache=CacheConfig(enabled=True), cache_max_length=MAX_LENGTH)
 trainer.train()
 if trainer.is_world_process_zero():
-    print(f"{autofreeze.freezer.outcome()}; decisions: {[d['frozen_layers'] for d in autofreeze.decisions]}")
+    cache = autofreeze.freezer.cache
+    print(f"{autofreeze.freezer.outcome()}; decisions: {[d['frozen_layers'] for d in autofreeze.decisions]}; "
+          f"cache: {cache.hits} served, {cache.computed} computed")

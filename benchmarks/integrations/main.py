@@ -10,6 +10,11 @@ per seed (baseline first on even seeds, AutoFreeze first on odd ones), so a dist
 
     .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
     .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes
+    .venv/bin/python benchmarks/integrations/main.py --cache    # the callback serving the activation cache
+
+``--cache`` gives the training rows their index (``idx``) and attaches the callback with the activation cache
+(``attach(trainer, cache=...)``), so from the second epoch the frozen layers' output is served, not computed; its runs
+go to their own folder (``runs-cache``).
 
 A finished run is recorded in the runs folder and not run again: a launch cut short goes on where it stopped.
 """
@@ -70,6 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding, EvalPrediction, Trainer,
                               TrainingArguments)
 
+    from pipetransformer.config import CacheConfig
     from pipetransformer.data import SampleLimits, load_rotten_tomatoes
     from pipetransformer.integrations import AutoFreezeCallback
     from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -81,8 +87,8 @@ def worker(args: argparse.Namespace) -> None:
                                   limits=SampleLimits(train=scale.train_rows, test=scale.test_rows))
 
     def rows(data: Any) -> list[dict[str, Any]]:  # unpadded: the collator pads each batch to its longest
-        return [{"input_ids": data.input_ids[i, :data.lengths[i]].tolist(), "labels": int(data.labels[i])}
-                for i in range(len(data))]
+        return [{"idx": i, "input_ids": data.input_ids[i, :data.lengths[i]].tolist(), "labels": int(data.labels[i])}
+                for i in range(len(data))]  # idx: the cache's key (the Trainer drops it otherwise)
 
     def accuracy(prediction: EvalPrediction) -> dict[str, float]:
         return {"accuracy": float(np.mean(np.argmax(prediction.predictions, axis=-1) == prediction.label_ids))}
@@ -97,7 +103,9 @@ def worker(args: argparse.Namespace) -> None:
         average_tokens_across_devices=False)  # else transformers doubles a classifier's loss and gradient under DDP
     trainer = Trainer(model=model, args=training, train_dataset=rows(splits.train), eval_dataset=rows(splits.test),
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
-    callback = AutoFreezeCallback.attach(trainer) if args.configuration == "autofreeze" else None
+    cache = CacheConfig(enabled=True) if args.cache else None
+    callback = AutoFreezeCallback.attach(trainer, cache=cache, cache_max_length=MAX_LENGTH) \
+        if args.configuration == "autofreeze" else None
     trained = trainer.train()
     tested = trainer.predict(trainer.eval_dataset)  # gathered over the ranks in the split's order
     correct = (np.argmax(tested.predictions, axis=-1) == tested.label_ids).astype(int).tolist()
@@ -109,10 +117,12 @@ def worker(args: argparse.Namespace) -> None:
             "test_loss": tested.metrics["test_loss"], "test_correct": correct,
             "decisions": [{"step": d["global_step"], "frozen_layers": d["frozen_layers"]}
                           for d in (callback.decisions if callback else [])],
-            "outcome": callback.freezer.outcome() if callback and callback.freezer else None}))
+            "outcome": callback.freezer.outcome() if callback and callback.freezer else None,
+            "cache_served_rank0": callback.freezer.cache.hits if callback and callback.freezer and callback.freezer.cache
+            else None}))
 
 
-def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path) -> dict[str, Any]:
+def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path, cache: bool) -> dict[str, Any]:
     """One run, or the record of it if an earlier launch into the same folder finished it (a launch can stop between
     runs and go on later: ``--seeds 2`` today, ``--seeds 3`` tomorrow runs the third seed's pair only)."""
     done_file = out / f"{configuration}-seed{seed}.done.json"
@@ -125,7 +135,8 @@ def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path)
     result_file = out / f"{configuration}-seed{seed}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                str(Path(__file__).resolve()), "--worker", configuration, "--seed", str(seed),
-               "--split-seed", str(split_seed), "--worker-out", str(result_file)] + (["--quick"] if quick else [])
+               "--split-seed", str(split_seed), "--worker-out", str(result_file)] + (["--quick"] if quick else []) \
+        + (["--cache"] if cache else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
     started, load_before = time.time(), os.getloadavg()[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="training seeds (default 3)")
     parser.add_argument("--split-seed", type=int, default=SPLIT_SEED,
                         help=f"data.split_seed of the test rows (default {SPLIT_SEED}; a new one for a new default)")
+    parser.add_argument("--cache", action="store_true", help="the callback serves the activation cache")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/ beside this script)")
     parser.add_argument("--worker", choices=CONFIGURATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -196,20 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     out = args.out or HERE / "results"
-    runs = out / ("runs-quick" if args.quick else "runs")
+    suffix = ("-quick" if args.quick else "") + ("-cache" if args.cache else "")
+    runs = out / f"runs{suffix}"
     runs.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in SEEDS[:args.seeds]:
         order = CONFIGURATIONS if seed % 2 == 0 else tuple(reversed(CONFIGURATIONS))
         for configuration in order:
-            result = _run(configuration, seed, args.quick, args.split_seed, runs)
+            result = _run(configuration, seed, args.quick, args.split_seed, runs, args.cache)
             print(f"{configuration} seed {seed}: {result['train_s']:.1f} s, test accuracy "
                   f"{result['test_accuracy'] * PERCENT:.2f}, frozen {result['decisions']}", flush=True)
             results.append(result)
     summary = summarize(results)
-    name = "results-quick" if args.quick else "results"
-    header = f"{'--quick' if args.quick else 'full'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, " \
-             f"{platform.node()}, split_seed {args.split_seed}"
+    name = f"results{suffix}"
+    header = f"{'--quick' if args.quick else 'full'}{', --cache' if args.cache else ''}, " \
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, split_seed {args.split_seed}"
     (out / f"{name}.json").write_text(json.dumps({"header": header, "summary": summary, "runs": results}, indent=1))
     (out / f"{name}.md").write_text(_markdown(summary, results, header))
     print(_markdown(summary, results, header))

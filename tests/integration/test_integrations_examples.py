@@ -19,6 +19,8 @@ TINY = ["--steps", "12", "--rows", "64"]
 # MiniLM is pretrained: the prior freezes its embeddings and 2 of its 6 layers before the first step
 PRIOR_REPORTED = {"autofreeze_plain_loop.py": "step 0: the first 2 layers frozen (the embeddings and the bottom 2",
                   "autofreeze_trainer.py": "decisions: [2]"}
+# the Trainer's 64 rows in batches of 8: 8 steps record them all, the 4 steps of the second epoch are served
+CACHE_REPORTED = {"autofreeze_trainer.py": "cache: 32 served, 64 computed"}
 
 
 @pytest.mark.parametrize("example", sorted(PRIOR_REPORTED))
@@ -30,3 +32,4 @@ def test_the_example_runs_and_reports_the_freeze_outcome(example: str, tmp_path:
     # 12 steps are too few for the defaults' coherence test (4 windows of at least 10 steps): the outcome says so
     assert "nothing froze" in result.stdout and "decision windows" in result.stdout, result.stdout
     assert PRIOR_REPORTED[example] in result.stdout, result.stdout
+    assert CACHE_REPORTED.get(example, "") in result.stdout, result.stdout

@@ -1,7 +1,8 @@
 """AutoFreezeCallback inside the Hugging Face Trainer on 2 gloo processes under torchrun: MiniLM fine-tuned on
 Rotten Tomatoes snippets, layers freeze mid-run with the coherence policy (short windows), DDP keeps working, the
 frozen gradients leave the all-reduce (counted by a comm hook) and the optimizer, loss and accuracy are recorded;
-a run resumed from a checkpoint taken after the freeze keeps the frozen boundary and the optimizer state."""
+a run resumed from a checkpoint taken after the freeze keeps the frozen boundary and the optimizer state; and a run
+serving the frozen layers from the activation cache trains exactly as a plain one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+WORLD = 2
 ROOT = HERE.parents[1]
 STEPS = 30
 CHECKPOINT_AT = 20
@@ -27,14 +29,18 @@ DDP_ERROR = "Expected to have finished reduction"
 FROZEN = "autofreeze/frozen_layers"  # the callback's key in the Trainer's log
 
 
-def _torchrun(out: Path, *options: str) -> dict[str, Any]:
+def _launch(out: Path, worker: str, *options: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(HERE / "hf_trainer_worker.py"), str(out), "--steps", str(STEPS), *options]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               str(HERE / worker), str(out), *options]
     run = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-5000:]
     assert DDP_ERROR not in run.stderr
+
+
+def _torchrun(out: Path, *options: str) -> dict[str, Any]:
+    _launch(out, "hf_trainer_worker.py", "--steps", str(STEPS), *options)
     result_file = options[options.index("--result") + 1]
     result: dict[str, Any] = json.loads((out / result_file).read_text())
     return result
@@ -77,3 +83,18 @@ def test_the_trainer_callback_freezes_under_torchrun_and_a_resumed_run_keeps_the
     assert resumed["reduced_per_step"][0] == reduced[CHECKPOINT_AT]
     assert all(d["global_step"] >= CHECKPOINT_AT for d in resumed["decisions"])
     assert resumed["optimized"] == resumed["with_state"] == resumed["trainable"]
+
+
+def test_the_trainer_serves_the_frozen_layers_from_one_store_per_node_and_trains_as_without_it(
+        tmp_path: Path) -> None:
+    rows, epochs, per_device_batch = 128, 3, 8
+    _launch(tmp_path, "hf_trainer_cache_worker.py", "--rows", str(rows), "--epochs", str(epochs))
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    steps = rows // (per_device_batch * WORLD) * epochs
+    for rank, result in enumerate(results):
+        # epoch 1 records each rank's half; from epoch 2 the sampler deals each rank samples the other one
+        # recorded too, and all are served: the ranks share the node's store
+        assert result["cached"]["counts"] == [rows // WORLD, 0, rows // WORLD * (epochs - 1)], f"rank {rank}"
+        assert len(result["plain"]["losses"]) == steps
+        # rows padded alike every epoch: a served batch is the computed one bit for bit, so is the whole run
+        assert result["cached"]["losses"] == result["plain"]["losses"], f"rank {rank}"

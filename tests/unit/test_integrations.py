@@ -103,8 +103,9 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     optimizer = torch.optim.AdamW(model.parameters())
     with caplog.at_level(logging.INFO, logger="pipetransformer.integrations.freezer"):
         freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
-    # the start-up line says what froze; the cache is offered to plain loops only (the Trainer builds this too)
-    assert "the embeddings and the bottom 1 layer frozen" in caplog.text and "a plain loop whose" in caplog.text
+    # the start-up line says what froze and how each path turns the cache on (the Trainer's callback builds this too)
+    assert "the embeddings and the bottom 1 layer frozen" in caplog.text
+    assert "cache= with serving(indices), or AutoFreezeCallback.attach(trainer, cache=)" in caplog.text
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     assert freezer.prior.embeddings and freezer.prior.layers == freezer.frozen_layers == 1  # a third of 3 layers
     frozen = [*model.bert.embeddings.parameters(), *model.bert.encoder.layer[0].parameters()]

@@ -57,6 +57,6 @@ def test_without_rows_the_error_is_the_seeds_spread_and_the_target_can_fail() ->
 def test_a_finished_run_is_reused_and_a_different_split_seed_is_refused(tmp_path: Path) -> None:
     recorded = {**_result("baseline", 0, 100.0, [1, 0]), "wall_s": 120.0, "split_seed": 7}
     (tmp_path / "baseline-seed0.done.json").write_text(json.dumps(recorded))
-    assert integrations._run("baseline", 0, False, 7, tmp_path) == recorded  # no process started
+    assert integrations._run("baseline", 0, False, 7, tmp_path, False) == recorded  # no process started
     with pytest.raises(SystemExit, match="--split-seed 7, not 8"):
-        integrations._run("baseline", 0, False, 8, tmp_path)
+        integrations._run("baseline", 0, False, 8, tmp_path, False)

@@ -199,3 +199,10 @@ def test_bad_cache_arguments_are_refused_in_one_line() -> None:
     freezer = _freezer(model, frozen_layers=1)
     with pytest.raises(ValueError, match=r"indices must lie in \[0, 12\)"):
         _logits(model, _batch([0, 1], MAX_LENGTH), freezer, [0, SAMPLES])
+    # text without cache_max_length: the first batch's length fixes the records, a longer batch says what to pass
+    text = _bert()
+    fixed = AutoFreezer(text, torch.optim.AdamW(text.parameters()), settings=FreezeConfig(policy="none", prior=1),
+                        cache=CACHE, cache_samples=SAMPLES)
+    _logits(text, _batch([0, 1], MAX_LENGTH - 2), fixed, [0, 1])
+    with pytest.raises(ValueError, match="pass cache_max_length"):
+        _logits(text, _batch([2, 3], MAX_LENGTH), fixed, [2, 3])

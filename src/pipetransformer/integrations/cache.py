@@ -190,6 +190,11 @@ class PrefixServer:
             if self.store is None:
                 self._open(hidden)  # before any rank-local check: every rank opens at the same step
             assert self.store is not None
+            recorded = self.store.layout.spec.shapes[0]
+            if self.max_length is None and tuple(hidden.shape[1:]) != tuple(recorded):
+                raise ValueError(f"a batch's frozen output is {tuple(hidden.shape[1:])} per sample but the cache's "
+                                 f"records are {tuple(recorded)}: for text batches of varying length pass "
+                                 "cache_max_length (the longest batch, in tokens)")
             if self.max_length is not None and hidden.shape[SEQUENCE_DIM] > self.max_length:
                 if not self._warned_length:
                     self._warned_length = True

@@ -115,8 +115,8 @@ class AutoFreezer:
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.info("autofreeze: %s; frozen layers run without autograd, %s", self.prior.describe(),
                         "and from the activation cache inside serving(indices)" if self.cache else
-                        "not from the activation cache (a plain loop whose samples keep their index and inputs "
-                        "can serve it: AutoFreezer's cache= and serving(indices))")
+                        "not from the activation cache (samples that keep their index and inputs can be served: "
+                        "AutoFreezer's cache= with serving(indices), or AutoFreezeCallback.attach(trainer, cache=))")
         self._freeze(frozen_prefix_layers(self.policy.frozen))  # the prior (and a schedule's entry at 0)
         self.at_start: dict[str, Any] | None = None
         """The record of what froze before the first step (``step`` 0, ``frozen_layers``, ``at_start``: the
