@@ -268,14 +268,28 @@ def finished_run(name: str, repeat: int, runs_dir: Path) -> RunResult | None:
     return result if result.ok else None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string where there is none."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on (cores, memory, versions, load when the benchmark started)."""
+    """What the numbers were measured on (cores, memory, versions, load when the benchmark started). The CPU model
+    and the vector instructions torch dispatches to are kept because float results (and so a run's trajectory)
+    depend on them: two hosts of one VM type can differ there."""
     import torch
 
     meminfo = Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").is_file() else []
     mem_kb = {line.split(":")[0]: int(line.split()[1]) for line in meminfo if line.split()[1:2]}
     kib_per_gib = 1024 ** 2
     return {
+        "cpu": cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "nproc": os.cpu_count(),
         "mem_total_gib": round(mem_kb.get("MemTotal", 0) / kib_per_gib, 1),
         "mem_available_gib": round(mem_kb.get("MemAvailable", 0) / kib_per_gib, 1),

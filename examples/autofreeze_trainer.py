@@ -11,7 +11,7 @@ import argparse
 import os
 import tempfile
 
-from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments, set_seed
 
 from pipetransformer.config import CacheConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
@@ -27,6 +27,7 @@ data = load_rotten_tomatoes(load_tokenizer(minilm_path()), MAX_LENGTH, limits=Sa
 rows = [{"idx": i, "input_ids": data.input_ids[i], "attention_mask": data.attention_mask[i], "labels": data.labels[i]}
         for i in range(len(data))]
 
+set_seed(0)  # the new classification head is drawn now: the Trainer seeds only once the model exists
 model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
 training = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=args.steps, per_device_train_batch_size=8,
                              learning_rate=5e-5, use_cpu=True, report_to=[], save_strategy="no",

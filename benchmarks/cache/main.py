@@ -26,8 +26,8 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +41,9 @@ from pipetransformer.data import Batch, load_datasets, seeded_permutation
 from pipetransformer.freeze.apply import freeze_blocks
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
 from pipetransformer.pipe import BlockCost, profile_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import machine_info  # noqa: E402 - the shared helper lives one folder up
 
 __all__ = ["Settings", "main", "run"]
 
@@ -56,8 +59,6 @@ STORE_HEADROOM_BYTES = 1 << 20
 """Room for the store's index arrays on top of the records, so every sample lives in shared memory."""
 TARGET_IDEAL_RATIO = 0.9
 MS_PER_SECOND = 1e3
-KIB_PER_GIB = 2**20
-"""/proc/meminfo counts kibibytes."""
 FIRST_MEASURED_CACHED_SPEEDUP = (3.3, 3.5)
 """Measured on this machine before the cache was built: 4 of 6 frozen and cached, MiniLM, batch 32, 64
 tokens, per step."""
@@ -255,14 +256,7 @@ def _summarize(
 
 
 def machine() -> dict[str, object]:
-    meminfo = Path("/proc/meminfo").read_text().split("\n")[0].split()
-    return {
-        "nproc": os.cpu_count(),
-        "memory_gib": round(int(meminfo[1]) / KIB_PER_GIB, 1),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-    }
+    return {**machine_info(), "threads": torch.get_num_threads()}
 
 
 def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, object]:

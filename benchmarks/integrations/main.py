@@ -4,9 +4,10 @@ MiniLM-L6 (``AutoModelForSequenceClassification``) fine-tuned on Rotten Tomatoes
 on 2 gloo processes under torchrun (1 thread each), the settings of ``configs/text_minilm_ddp.yaml``: global batch
 32, AdamW lr 1e-4, weight decay 0.01, 6% linear warm-up then linear decay, gradient clip 1.0, 64 tokens at most
 (batches padded to their longest), 3 epochs of the whole training split. The callback uses the package's default
-freeze settings (``FreezeConfig()``), untuned here. Test accuracy is measured on the test split of ``--split-seed``
-(52049 by default; the README counts its reads), paired with the baseline by seed and by row. Runs are interleaved
-per seed (baseline first on even seeds, AutoFreeze first on odd ones), so a disturbance of the shared machine hits both.
+freeze settings (``FreezeConfig()``), untuned here; the classification head is drawn from the run's seed. Test
+accuracy is measured on the test split of ``--split-seed`` (52049 by default; the README counts its reads), paired
+with the baseline by seed and by row. Runs are interleaved per seed (baseline first on even seeds, AutoFreeze first
+on odd ones), so a disturbance of the shared machine hits both.
 
     .venv/bin/python benchmarks/integrations/main.py            # 3 seeds x 2 configurations, 75 min here
     .venv/bin/python benchmarks/integrations/main.py --quick    # 1,500 snippets, 1 epoch: about 10 minutes
@@ -37,6 +38,9 @@ from typing import Any
 from pipetransformer.report import combined_se, seeds_difference
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from common import machine_info  # noqa: E402 - the shared helper lives one folder up
+
 REPO_ROOT = HERE.parents[1]
 SPLIT_SEED = 52049
 """The test split of the first runs (registered before them; the project's other runs use 0 and 52). A run that
@@ -73,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding, EvalPrediction, Trainer,
-                              TrainingArguments)
+                              TrainingArguments, set_seed)
 
     from pipetransformer.config import CacheConfig
     from pipetransformer.data import SampleLimits, load_rotten_tomatoes
@@ -93,6 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     def accuracy(prediction: EvalPrediction) -> dict[str, float]:
         return {"accuracy": float(np.mean(np.argmax(prediction.predictions, axis=-1) == prediction.label_ids))}
 
+    set_seed(args.seed)  # the classification head is drawn here; the Trainer seeds only once the model exists
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(), seed=args.seed, num_train_epochs=scale.epochs,
@@ -110,6 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     tested = trainer.predict(trainer.eval_dataset)  # gathered over the ranks in the split's order
     correct = (np.argmax(tested.predictions, axis=-1) == tested.label_ids).astype(int).tolist()
     if trainer.is_world_process_zero():
+        machine = machine_info()  # per run: a launch cut short may go on on another host
         Path(args.worker_out).write_text(json.dumps({
             "configuration": args.configuration, "seed": args.seed, "train_s": trained.metrics["train_runtime"],
             "samples_per_s": trained.metrics["train_samples_per_second"], "train_loss": trained.training_loss,
@@ -119,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
                           for d in (callback.decisions if callback else [])],
             "outcome": callback.freezer.outcome() if callback and callback.freezer else None,
             "cache_served_rank0": callback.freezer.cache.hits if callback and callback.freezer and callback.freezer.cache
-            else None}))
+            else None, **{key: machine[key] for key in ("cpu", "torch_cpu_capability")}}))
 
 
 def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path, cache: bool) -> dict[str, Any]:
@@ -180,6 +186,8 @@ def _markdown(summary: dict[str, Any], results: list[dict[str, Any]], header: st
         lines.append(f"| {r['configuration']} | {r['seed']} | {r['train_s']:.1f} | {r['samples_per_s']:.2f} | "
                      f"{r['test_accuracy'] * PERCENT:.2f} | {frozen} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
     lines += [""] + [f"- AutoFreeze seed {r['seed']}: {r['outcome']}" for r in results if r["outcome"]]
+    hosts = sorted({f"{r.get('cpu', 'not recorded')} ({r.get('torch_cpu_capability', '?')} kernels)" for r in results})
+    lines += ["", f"CPU of the runs: {'; '.join(hosts)}."]
     low, high = summary["speed_ratio_range"]
     dlow, dhigh = summary["accuracy_points_range"]
     error = "over the seeds and the test rows" if summary["se_includes_test_rows"] else "over the seeds only"
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     name = f"results{suffix}"
     header = f"{'--quick' if args.quick else 'full'}{', --cache' if args.cache else ''}, " \
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, split_seed {args.split_seed}"
-    (out / f"{name}.json").write_text(json.dumps({"header": header, "summary": summary, "runs": results}, indent=1))
+    (out / f"{name}.json").write_text(json.dumps({"header": header, "machine": machine_info(), "summary": summary,
+                                                  "runs": results}, indent=1))
     (out / f"{name}.md").write_text(_markdown(summary, results, header))
     print(_markdown(summary, results, header))
 

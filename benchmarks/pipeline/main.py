@@ -26,9 +26,9 @@ import copy
 import json
 import math
 import os
-import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +50,9 @@ from pipetransformer.pipe import (BlockCost, BlockState, Link, Partition, broadc
 from pipetransformer.pipe.cost import stage_timing
 from pipetransformer.pipe.stage import PipelineRunner, StageModule
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import machine_info  # noqa: E402 - the shared helper lives one folder up
+
 __all__ = ["Settings", "main", "run"]
 
 WORLD_SIZE = 2
@@ -69,8 +72,6 @@ PROFILE_REPEATS = 5
 TARGET_OVERHEAD = 0.05
 LOOPBACK = "127.0.0.1"
 MS_PER_SECOND = 1e3
-KIB_PER_GIB = 2**20
-"""/proc/meminfo counts kibibytes."""
 CONFIGURATIONS = ("uniform", "balanced", "torch_balanced")
 
 
@@ -270,15 +271,7 @@ def _free_port() -> int:
 
 
 def machine() -> dict[str, object]:
-    meminfo = Path("/proc/meminfo").read_text().split("\n")[0].split()
-    return {
-        "nproc": os.cpu_count(),
-        "memory_gib": round(int(meminfo[1]) / KIB_PER_GIB, 1),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "processes": WORLD_SIZE,
-        "threads_per_process": THREADS_PER_PROCESS,
-    }
+    return {**machine_info(), "processes": WORLD_SIZE, "threads_per_process": THREADS_PER_PROCESS}
 
 
 def run(settings: Settings) -> dict[str, object]:

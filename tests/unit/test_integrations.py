@@ -3,6 +3,7 @@ layer 0, and the one-line errors for what cannot work."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -116,3 +117,29 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     assert freezer.at_start == {"step": 0, "frozen_layers": 1, "at_start": freezer.prior.describe()}
     untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100)  # from_config: random
     assert not untouched.prior.embeddings and untouched.at_start is None
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointed_layers_above_a_frozen_prefix_get_the_plain_runs_gradients(use_reentrant: bool) -> None:
+    # the frozen prefix runs without autograd, so its output does not require grad: a reentrant checkpoint of the first
+    # active layer would then record no graph, and that layer and every one above it would get no gradient
+    torch.manual_seed(0)
+    plain = _bert()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    gradients = []
+    for model in (plain, checkpointed):
+        freezer = AutoFreezer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              settings=FreezeConfig(policy="schedule", schedule=[[0, 1]]))
+        assert freezer.frozen_layers == 1
+        marked: list[bool] = []  # the prefix's output needs grad only for a reentrant checkpoint (it costs a gradient)
+        model.bert.encoder.layer[1].register_forward_pre_hook(lambda module, args: marked.append(args[0].requires_grad))
+        model.train()
+        torch.manual_seed(1)  # the same dropout masks (the checkpoint replays its forward's random state)
+        model(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), labels=torch.tensor([0, 1])).loss.backward()
+        gradients.append({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+        assert marked == [model is checkpointed and use_reentrant]
+    assert gradients[0].keys() == gradients[1].keys() and "bert.encoder.layer.1.output.dense.weight" in gradients[0]
+    for name, gradient in gradients[0].items():
+        assert gradients[1][name] is not None, name
+        torch.testing.assert_close(gradients[1][name], gradient, msg=name)

@@ -51,12 +51,12 @@ def _ragged_rows() -> list[dict[str, Any]]:
             for row, n in zip(_rows(), lengths)]
 
 
-def _trainer(tmp_path: Path, rows: list[dict[str, Any]], collator: Any = None) -> Any:
+def _trainer(tmp_path: Path, rows: list[dict[str, Any]], collator: Any = None, **arguments: Any) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=EPOCHS,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                             disable_tqdm=True, seed=0, dataloader_num_workers=0)
+                             disable_tqdm=True, seed=0, dataloader_num_workers=0, **arguments)
     return Trainer(model=_bert(), args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
 
 
@@ -100,6 +100,24 @@ def test_batches_padded_to_their_longest_keep_the_index_and_are_served_close_to_
     assert callback.freezer.cache.hits == SAMPLES * (EPOCHS - 1)
     # a record made in a batch of another length differs only at the padding positions, which attention masks out
     assert _losses(cached) == pytest.approx(_losses(plain), rel=1e-4)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_with_the_cache_trains_as_a_plain_run(tmp_path: Path, use_reentrant: bool) -> None:
+    # the Trainer turns checkpointing on in train(), after attach; a reentrant checkpoint above the served prefix
+    # (whose output needs no grad) would otherwise leave every training layer without a gradient
+    from pipetransformer.integrations import AutoFreezeCallback
+
+    plain = _trainer(tmp_path / "plain", _rows())
+    AutoFreezeCallback.attach(plain, SETTINGS)
+    plain.train()
+    checkpointed = _trainer(tmp_path / "checkpointed", _rows(), gradient_checkpointing=True,
+                            gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    callback = AutoFreezeCallback.attach(checkpointed, SETTINGS, cache=CACHE, cache_max_length=LENGTH)
+    checkpointed.train()
+    assert callback.freezer is not None and callback.freezer.cache is not None
+    assert callback.freezer.cache.hits == SAMPLES * (EPOCHS - 1)
+    assert _losses(checkpointed) == pytest.approx(_losses(plain), rel=1e-5)
 
 
 def test_training_sets_without_distinct_indices_in_range_are_refused_before_training(tmp_path: Path) -> None:

@@ -55,6 +55,16 @@ class _NoGrad:
         torch.set_grad_enabled(self._modes.pop())
 
 
+def _checkpoints_reentrantly(layer: nn.Module) -> bool:
+    """Whether a Hugging Face layer runs under ``torch.utils.checkpoint``'s reentrant variant (``use_reentrant`` True,
+    or unset, which torch reads as True): checked at each forward, since the Trainer turns checkpointing on in
+    ``train()``, after the callback was attached."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return False
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    return getattr(function, "keywords", {}).get("use_reentrant") is not False
+
+
 class AutoFreezer:
     """Freezes the converged leading layers of ``model`` while a plain loop trains it.
 
@@ -105,6 +115,7 @@ class AutoFreezer:
         self._frozen_modules: set[int] = set()
         self.steps = 0
         self._hooks: list[RemovableHandle] = []
+        self._boundary_hook: RemovableHandle | None = None
         self.cache: PrefixServer | None = None
         if cache is not None and cache.enabled:
             if cache_samples is None:
@@ -169,12 +180,28 @@ class AutoFreezer:
                 hooks = _NoGrad()
                 self._hooks.append(module.register_forward_pre_hook(hooks.before))
                 self._hooks.append(module.register_forward_hook(hooks.after, always_call=True))
-        drop_from_optimizer(self.optimizer, set(map(id, parameters)))
+        if self._boundary_hook is not None:
+            self._boundary_hook.remove()
+        self._boundary_hook = modules[-1].register_forward_hook(self._graph_for_a_reentrant_checkpoint)  # after
+        drop_from_optimizer(self.optimizer, set(map(id, parameters)))  # the no-grad hooks: grad mode is back on
         if self.ddp is not None:
             drop_frozen_from_ddp(self.ddp)
         self.frozen_layers = frozen_layers
         logger.info("autofreeze: step %d, the embeddings and the first %d of %d layers frozen", self.steps,
                     frozen_layers, len(self.stack))
+
+    def _graph_for_a_reentrant_checkpoint(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A reentrant checkpoint records a graph only when one of its inputs requires grad, and the frozen prefix's
+        output, computed without autograd, does not: the first training layer and every one above it would get no
+        gradient. So where that layer checkpoints reentrantly, the prefix's output is marked as requiring grad (as
+        ``enable_input_require_grads`` marks the embeddings' output for transformers' own frozen embeddings); the
+        non-reentrant checkpoint, transformers' default, needs nothing and costs nothing here."""
+        if self.frozen_layers >= len(self.stack) or not torch.is_grad_enabled() \
+                or not _checkpoints_reentrantly(self.stack.layers[self.frozen_layers]):
+            return
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
+            hidden.requires_grad_(True)
 
     @contextmanager
     def serving(self, indices: torch.Tensor | Sequence[int]) -> Iterator[None]:
