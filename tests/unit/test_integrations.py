@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetransformer.config import FreezeConfig
+from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.integrations import AutoFreezer, LayerStack, find_layer_stack
 from pipetransformer.models.blocks import BlockSplitError
 
@@ -80,6 +80,8 @@ def test_settings_that_cannot_work_are_refused_before_training() -> None:
         AutoFreezer(model, optimizer, settings=FreezeConfig(interval=1, interval_unit="epochs"))
     freezer = AutoFreezer(model, optimizer, total_steps=200)  # the defaults: 5% windows of 200 steps, floor 10
     assert freezer.policy.name == FreezeConfig.policy and freezer.policy.interval == FreezeConfig.min_window_steps
+    with pytest.raises(ValueError, match="use the cache with the model uncompiled, or compile it without cache="):
+        AutoFreezer(torch.compile(model), optimizer, total_steps=200, cache=CacheConfig(enabled=True), cache_samples=8)
 
 
 def test_a_frozen_prefix_runs_without_autograd_and_restores_grad_mode() -> None:

@@ -132,3 +132,24 @@ def test_training_sets_without_distinct_indices_in_range_are_refused_before_trai
             AutoFreezeCallback.attach(_trainer(tmp_path, rows), SETTINGS, cache=CACHE, cache_max_length=LENGTH)
     renamed = [{("sample" if k == "idx" else k): v for k, v in row.items()} for row in _rows()]
     AutoFreezeCallback.attach(_trainer(tmp_path, renamed), SETTINGS, cache=CACHE, index_column="sample")
+
+
+def test_a_compiled_trainer_freezes_as_an_eager_one_and_the_cache_refuses_compile(tmp_path: Path) -> None:
+    from pipetransformer.integrations import AutoFreezeCallback
+
+    eager = _trainer(tmp_path / "eager", _rows())
+    AutoFreezeCallback.attach(eager, SETTINGS)
+    eager.train()
+    compiled = _trainer(tmp_path / "compiled", _rows(), torch_compile=True)
+    AutoFreezeCallback.attach(compiled, SETTINGS)
+    before = {name: p.detach().clone() for name, p in compiled.model.named_parameters()}
+    compiled.train()
+    moved = {name for name, p in compiled.model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    frozen = ("bert.embeddings.", *(f"bert.encoder.layer.{i}." for i in range(FROZEN)))
+    assert moved and not {name for name in moved if name.startswith(frozen)}
+    assert all(any(name.startswith(f"bert.encoder.layer.{i}.") for name in moved) for i in range(FROZEN, LAYERS))
+    # inductor's fused kernels round differently: the losses agree to compile's own noise, not bit for bit
+    assert _losses(compiled) == pytest.approx(_losses(eager), rel=2e-2)
+    with pytest.raises(ValueError, match="set torch_compile=False, or attach without cache="):
+        AutoFreezeCallback.attach(_trainer(tmp_path, _rows(), torch_compile=True), SETTINGS, cache=CACHE,
+                                  cache_max_length=LENGTH)

@@ -99,6 +99,9 @@ class AutoFreezeCallback(TrainerCallback):
         """Keep ``index_column`` in the bound trainer's batches and run each training step inside ``serving``."""
         trainer = self.trainer
         assert trainer is not None
+        if trainer.args.torch_compile:
+            raise ValueError("the activation cache swaps the frozen layers' forwards for each batch, which a compiled "
+                             "model does not follow: set torch_compile=False, or attach without cache=")
         _check_index_column(trainer.train_dataset, index_column)
         self.cache, self.cache_max_length = cache, max_length
         trainer._set_signature_columns_if_needed()  # the columns the Trainer keeps: the model's arguments
