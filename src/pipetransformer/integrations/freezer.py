@@ -123,7 +123,8 @@ class AutoFreezer:
                                  "sample's record by its index")
             if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
                 raise ValueError("the activation cache swaps the frozen layers' forwards for each batch, which a "
-                                 "compiled model does not follow: use the cache with the model uncompiled, or compile it without cache=")
+                                 "compiled model does not follow: use the cache with the model uncompiled, or "
+                                 "compile it without cache=")
             self.cache = PrefixServer(self.stack, cache, num_samples=cache_samples, max_length=cache_max_length)
         self._warn_if_nothing_can_freeze(total_steps)
         if not dist.is_initialized() or dist.get_rank() == 0:
