@@ -280,8 +280,8 @@ def cpu_model() -> str:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (cores, memory, versions, load when the benchmark started). The CPU model
-    and the vector instructions torch dispatches to are kept because float results (and so a run's trajectory)
-    depend on them: two hosts of one VM type can differ there."""
+    and the vector instructions torch dispatches to are kept because float results, and so a run's trajectory, can
+    depend on them."""
     import torch
 
     meminfo = Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").is_file() else []
