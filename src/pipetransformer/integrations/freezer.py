@@ -186,8 +186,9 @@ class AutoFreezer:
                 self._hooks.append(module.register_forward_hook(hooks.after, always_call=True))
         if self._boundary_hook is not None:
             self._boundary_hook.remove()
-        self._boundary_hook = modules[-1].register_forward_hook(self._graph_for_a_reentrant_checkpoint)  # after
-        drop_from_optimizer(self.optimizer, set(map(id, parameters)))  # the no-grad hooks: grad mode is back on
+        # registered after the boundary's no-grad hooks, so it runs once grad mode is back on
+        self._boundary_hook = modules[-1].register_forward_hook(self._graph_for_a_reentrant_checkpoint)
+        drop_from_optimizer(self.optimizer, set(map(id, parameters)))
         if self.ddp is not None:
             drop_frozen_from_ddp(self.ddp)
         self.frozen_layers = frozen_layers
