@@ -65,6 +65,12 @@ def _checkpoints_reentrantly(layer: nn.Module) -> bool:
     return getattr(function, "keywords", {}).get("use_reentrant") is not False
 
 
+def _optimizer_steps_now(optimizer: Any) -> bool:
+    """False on an accumulation micro-step of Accelerate's ``AcceleratedOptimizer`` (its ``step`` does nothing
+    there); True for any other optimizer."""
+    return getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True)
+
+
 class AutoFreezer:
     """Freezes the converged leading layers of ``model`` while a plain loop trains it.
 
@@ -150,7 +156,12 @@ class AutoFreezer:
 
     def step(self) -> dict[str, Any] | None:
         """Observe this step's gradients (every rank must call) and freeze what the policy decides; returns the
-        decision's record (``step``, ``frozen_layers`` and the policy's numbers) when layers froze, else None."""
+        decision's record (``step``, ``frozen_layers`` and the policy's numbers) when layers froze, else None.
+        Under Accelerate's gradient accumulation it observes only the steps its optimizer takes: on a micro-step
+        (``accelerator.sync_gradients`` False) the gradients are partial and not yet all-reduced, so it returns
+        None as the optimizer skips its step."""
+        if not _optimizer_steps_now(self.optimizer):
+            return None
         layers = range(len(self.stack))
         control = ControlVector.zeros(len(self.stack))
         if not dist.is_initialized() or dist.get_rank() == 0:  # after DDP's all-reduce every rank holds the same
