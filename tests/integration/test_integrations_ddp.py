@@ -1,7 +1,8 @@
 """The plain-PyTorch AutoFreezer on 2 real gloo processes under DistributedDataParallel: a freeze mid-run leaves
 DDP working (no "finished reduction" error), takes the frozen gradients out of the all-reduce (seen from a comm
 hook), runs the frozen prefix without autograd, and leaves the optimizer exactly as a run frozen by hand at the same
-step; a checkpoint, a SIGKILL and a resume continue with the same frozen boundary and optimizer state."""
+step; a builtin comm hook stays on; a checkpoint, a SIGKILL and a resume continue with the same frozen boundary and
+optimizer state."""
 
 from __future__ import annotations
 
@@ -134,6 +135,37 @@ def _by_hand_worker(rank: int, port: int, out: str, freeze_step: int) -> None:
     leave()
 
 
+def _builtin_hook_worker(rank: int, port: int, out: str) -> None:
+    """DDP with the builtin FP16_COMPRESS hook: each step, whether every trainable gradient came back through it (as
+    a float16 value) from the all-reduce."""
+    join(rank, WORLD, port)
+    data = rotten_tomatoes()
+    ddp = DistributedDataParallel(tiny_classifier(data.input_ids.max().item() + 1))
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    freezer = AutoFreezer(ddp, optimizer, settings=SETTINGS)
+    compressed, records = [], []
+    for step in range(STEPS):
+        _train_step(ddp, data, step, rank)
+        grads = [p.grad for p in ddp.parameters() if p.requires_grad]
+        compressed.append(all(torch.equal(g, g.half().float()) for g in grads))
+        if (record := freezer.step()) is not None:
+            records.append(record)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    from torch.distributed.fsdp import MixedPrecision
+
+    mixed = DistributedDataParallel(tiny_classifier(data.input_ids.max().item() + 1),
+                                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    try:
+        AutoFreezer(mixed, torch.optim.AdamW(mixed.parameters()), settings=SETTINGS)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    torch.save({"compressed": compressed, "records": records, "refusal": refusal}, f"{out}/rank{rank}.pt")
+    leave()
+
+
 def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return {name: {k: v.clone() for k, v in optimizer.state[p].items()}
             for name, p in model.named_parameters() if p in optimizer.state}
@@ -199,3 +231,13 @@ def test_checkpoint_kill_and_resume_keep_the_frozen_boundary_and_optimizer_state
         assert resumed["reduced"] == [uninterrupted["trainable"]] * (STEPS - CHECKPOINT_AT)
         _equal(resumed["state"], uninterrupted["state"])
         _equal(resumed["params"], uninterrupted["params"])
+
+
+def test_a_builtin_comm_hook_survives_the_freeze_and_ddp_mixed_precision_is_refused_at_once(tmp_path: Path) -> None:
+    _spawn(_builtin_hook_worker, str(tmp_path))
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert [r["frozen_layers"] for r in result["records"]] == [EXPECTED_FROZEN]
+    # float16 gradients at every step, before and after the reducer was rebuilt without the frozen layers
+    assert result["compressed"] == [True] * STEPS
+    # a wrapper whose reducer cannot be rebuilt is refused when the freezer is built, not at its first freeze
+    assert "mixed_precision" in result["refusal"]

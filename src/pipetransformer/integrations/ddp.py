@@ -12,18 +12,38 @@ all-reduced, so they do).
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["drop_frozen_from_ddp"]
+__all__ = ["check_droppable", "drop_frozen_from_ddp"]
+
+BUILTIN_HOOK_PREFIX = f"{dist.BuiltinCommHookType.__name__}."
+"""How DDP's logger names a builtin comm hook (``BuiltinCommHookType.FP16_COMPRESS``); a Python hook goes by its
+function's name."""
 
 
-def drop_frozen_from_ddp(ddp: DistributedDataParallel) -> None:
-    """Rebuild ``ddp``'s reducer over the parameters that require gradients now; comm hooks registered with
-    ``register_comm_hook`` are registered again on it."""
+def _builtin_comm_hook(ddp: DistributedDataParallel) -> dist.BuiltinCommHookType | None:
+    """The builtin hook registered with ``_register_builtin_comm_hook``: the reducer keeps it in C++ and only the
+    logger's record names it."""
+    name = ddp._get_ddp_logging_data().get("comm_hook") or ""
+    if not name.startswith(BUILTIN_HOOK_PREFIX):
+        return None
+    return dist.BuiltinCommHookType.__members__[name.removeprefix(BUILTIN_HOOK_PREFIX)]
+
+
+def check_droppable(ddp: DistributedDataParallel) -> None:
+    """Refuse, before training, a wrapper whose reducer cannot be rebuilt this way."""
     if ddp.mixed_precision is not None or getattr(ddp, "_use_python_reducer", False):
         raise ValueError("cannot drop frozen parameters from a DistributedDataParallel with mixed_precision or the "
                          "Python reducer; wrap the model in a plain DistributedDataParallel")
+
+
+def drop_frozen_from_ddp(ddp: DistributedDataParallel) -> None:
+    """Rebuild ``ddp``'s reducer over the parameters that require gradients now; its comm hook (registered with
+    ``register_comm_hook``, or a builtin one) is registered again on it."""
+    check_droppable(ddp)
     hooks = list(ddp._comm_hooks)
+    builtin = _builtin_comm_hook(ddp)
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
     param_to_name_mapping = ddp._build_debug_param_to_name_mapping(parameters)
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, param_to_name_mapping, ddp.static_graph)
@@ -33,4 +53,6 @@ def drop_frozen_from_ddp(ddp: DistributedDataParallel) -> None:
     ddp._comm_hooks = []
     for hook, state in hooks:
         ddp.register_comm_hook(state, hook)
+    if builtin is not None:
+        ddp._register_builtin_comm_hook(builtin)
 

@@ -28,7 +28,7 @@ from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms,
 from pipetransformer.freeze.policies import (UNWINDOWED, FreezePrior, frozen_prefix_layers, policy_from_settings,
                                              resolve_prior)
 from pipetransformer.integrations.cache import PrefixServer
-from pipetransformer.integrations.ddp import drop_frozen_from_ddp
+from pipetransformer.integrations.ddp import check_droppable, drop_frozen_from_ddp
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
 from pipetransformer.train.control import ControlVector
 
@@ -98,6 +98,8 @@ class AutoFreezer:
                  cache_samples: int | None = None, cache_max_length: int | None = None) -> None:
         self.settings = settings or FreezeConfig()
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
+        if self.ddp is not None:
+            check_droppable(self.ddp)
         if isinstance(model, LayerStack):
             self.stack = model
         else:
