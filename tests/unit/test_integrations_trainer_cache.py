@@ -1,6 +1,6 @@
 """The Hugging Face Trainer's callback serving the frozen layers from the activation cache, in one process (a small
-random-initialised BERT): a cached run trains exactly as a plain one, evaluation rows keep their index column
-harmlessly, and training sets without usable indices are refused before training."""
+random-initialised BERT, also wrapped by PEFT's LoRA): a cached run trains exactly as a plain one, evaluation rows
+keep their index column harmlessly, and training sets without usable indices are refused before training."""
 
 from __future__ import annotations
 
@@ -153,3 +153,28 @@ def test_a_compiled_trainer_freezes_as_an_eager_one_and_the_cache_refuses_compil
     with pytest.raises(ValueError, match="set torch_compile=False, or attach without cache="):
         AutoFreezeCallback.attach(_trainer(tmp_path, _rows(), torch_compile=True), SETTINGS, cache=CACHE,
                                   cache_max_length=LENGTH)
+
+
+def test_a_peft_lora_model_in_the_trainer_is_frozen_and_served_as_a_plain_one(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from pipetransformer.integrations import AutoFreezeCallback
+
+    runs = []
+    for name, cache in (("plain", None), ("cached", CACHE)):
+        trainer = _trainer(tmp_path / name, _rows())
+        trainer.model = get_peft_model(trainer.model, LoraConfig(r=2, target_modules=["query", "value"],
+                                                                 modules_to_save=["classifier"]))
+        callback = AutoFreezeCallback.attach(trainer, SETTINGS, cache=cache, cache_max_length=LENGTH)
+        trainer.train()
+        runs.append((trainer, callback))
+    (plain, _), (cached, callback) = runs
+    served = callback.freezer.cache
+    assert (served.computed, served.hits) == (SAMPLES, SAMPLES * (EPOCHS - 1))
+    # the prior's layers' adapters froze; the others, and the head PEFT keeps training, still train
+    frozen_prefixes = tuple(f"encoder.layer.{i}." for i in range(FROZEN))
+    for name, parameter in cached.model.named_parameters():
+        if "lora_" in name:
+            assert parameter.requires_grad == (not any(prefix in name for prefix in frozen_prefixes)), name
+    assert any(p.requires_grad for n, p in cached.model.named_parameters() if "classifier" in n)
+    assert _losses(cached) == _losses(plain)

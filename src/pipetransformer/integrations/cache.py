@@ -37,7 +37,7 @@ from pipetransformer.cache.node import open_node_store
 from pipetransformer.cache.store import EMPTY_BOUNDARY, ActivationStore, spec_from_activation
 from pipetransformer.config import CacheConfig
 from pipetransformer.distributed import DistEnv
-from pipetransformer.integrations.layers import LayerStack
+from pipetransformer.integrations.layers import LayerStack, model_trunk
 
 __all__ = ["PrefixServer", "dropouts_before_layers"]
 
@@ -53,9 +53,7 @@ def dropouts_before_layers(stack: LayerStack) -> list[tuple[str, nn.Module]]:
     make the input of the first layer random, so its output cannot be stored."""
     if stack.model is None:
         return []
-    trunk = getattr(stack.model, "base_model", stack.model)
-    if not isinstance(trunk, nn.Module):
-        trunk = stack.model
+    trunk = model_trunk(stack.model)
     inside = {id(m) for part in (*stack.layers, *stack.embeddings) for m in part.modules()}
     return [(f"{type(trunk).__name__}.{name}", module) for name, module in trunk.named_modules()
             if id(module) not in inside and isinstance(module, nn.modules.dropout._DropoutNd)]

@@ -25,8 +25,8 @@ from torch.utils.hooks import RemovableHandle
 
 from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, drop_from_optimizer, pin_eval
-from pipetransformer.freeze.policies import (UNWINDOWED, FreezePrior, frozen_prefix_layers, policy_from_settings,
-                                             resolve_prior)
+from pipetransformer.freeze.policies import (UNWINDOWED, CoherencePolicy, FreezePrior, GradientPolicy,
+                                             frozen_prefix_layers, policy_from_settings, resolve_prior)
 from pipetransformer.integrations.cache import PrefixServer
 from pipetransformer.integrations.ddp import check_droppable, drop_frozen_from_ddp
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
@@ -135,6 +135,7 @@ class AutoFreezer:
                                  "compile it without cache=")
             self.cache = PrefixServer(self.stack, cache, num_samples=cache_samples, max_length=cache_max_length)
         self._warn_if_nothing_can_freeze(total_steps)
+        self._warn_if_evidence_is_blocked()
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.info("autofreeze: %s; frozen layers run without autograd, %s", self.prior.describe(),
                         "and from the activation cache inside serving(indices)" if self.cache else
@@ -155,6 +156,20 @@ class AutoFreezer:
             logger.warning("autofreeze: the first decision needs %d steps but the run has %d, so nothing will "
                            "freeze; shorten the windows (settings interval, min_window_steps, learned_min_steps)",
                            needed, total_steps)
+
+    def _warn_if_evidence_is_blocked(self) -> None:
+        """A layer without trainable parameters (LoRA's ``layers_to_transform`` leaves some without adapters) gives
+        the gradient tests nothing to judge, so they never freeze it nor anything above it: say so before training."""
+        if not isinstance(self.policy, (CoherencePolicy, GradientPolicy)) or (dist.is_initialized() and
+                                                                            dist.get_rank()):
+            return
+        start = frozen_prefix_layers(self.policy.frozen)
+        blocked = next((i for i in range(start, len(self.stack))
+                        if not any(p.requires_grad for p in self.stack.layers[i].parameters())), None)
+        if blocked is not None:
+            logger.warning("autofreeze: layer %d has no trainable parameters, so the %s test cannot find it converged "
+                           "and will freeze nothing from it up; to freeze the layers below the first trainable one "
+                           "from the start, pass settings with prior=<that layer's index>", blocked, self.policy.name)
 
     def step(self) -> dict[str, Any] | None:
         """Observe this step's gradients (every rank must call) and freeze what the policy decides; returns the

@@ -2,7 +2,8 @@
 
 The layer list is looked up at the attribute paths ``models/hf.py`` splits encoders by (BERT-like
 ``encoder.layer``, Llama-style ``layers``) plus GPT-2's ``h``, under the model's ``base_model`` (so a
-``...ForSequenceClassification`` or ``...ForCausalLM`` is searched where its trunk is). The embeddings freeze
+``...ForSequenceClassification`` or ``...ForCausalLM`` is searched where its trunk is), inside a PEFT wrapper
+(LoRA and the like: its ``get_base_model()``) when there is one. The embeddings freeze
 with layer 0 (or alone, by the freeze prior), as in the trainer, except a parameter the rest of the model also
 uses (a tied token table is the LM head's weight, as in GPT-2): that one keeps training.
 """
@@ -17,7 +18,7 @@ from torch import nn
 from pipetransformer.models.blocks import BlockSplitError
 from pipetransformer.models.hf import EMBEDDING_PROJECTION_PATHS, EMBEDDINGS_PATH, LAYER_LIST_PATHS, REFUSED_MODEL_TYPES
 
-__all__ = ["DECODER_EMBEDDING_PATHS", "DECODER_LAYER_LIST_PATHS", "LayerStack", "find_layer_stack"]
+__all__ = ["DECODER_EMBEDDING_PATHS", "DECODER_LAYER_LIST_PATHS", "LayerStack", "find_layer_stack", "model_trunk"]
 
 DECODER_LAYER_LIST_PATHS = ("h", "decoder.layers")
 """GPT-2 / GPT-J / BLOOM-style (``h``) and OPT-style (``decoder.layers``); Llama-style ``layers`` is already an
@@ -85,6 +86,14 @@ def _lookup(module: nn.Module, dotted_path: str) -> object | None:
     return found
 
 
+def model_trunk(model: nn.Module) -> nn.Module:
+    """Where a Hugging Face model keeps its embeddings and layers: its ``base_model`` (the trunk under a task head),
+    inside a PEFT wrapper's ``get_base_model()`` when there is one."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = getattr(inner, "base_model", inner)
+    return base if isinstance(base, nn.Module) else inner
+
+
 def find_layer_stack(model: nn.Module) -> LayerStack:
     """The layers and embeddings of a Hugging Face encoder or decoder (with or without a task head); a one-line
     error naming the model when none are found."""
@@ -92,8 +101,7 @@ def find_layer_stack(model: nn.Module) -> LayerStack:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in REFUSED_MODEL_TYPES:
         raise BlockSplitError(f"cannot freeze {name} layer by layer: {REFUSED_MODEL_TYPES[model_type]}")
-    base = getattr(model, "base_model", model)
-    trunk = base if isinstance(base, nn.Module) else model
+    trunk = model_trunk(model)
     layers = next((found for found in (_lookup(trunk, path) for path in LAYER_LIST_PATHS + DECODER_LAYER_LIST_PATHS)
                    if isinstance(found, nn.ModuleList) and len(found) > 0), None)
     if layers is None:
