@@ -113,7 +113,8 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     assert freezer.prior.embeddings and freezer.prior.layers == freezer.frozen_layers == 1  # a third of 3 layers
     frozen = [*model.bert.embeddings.parameters(), *model.bert.encoder.layer[0].parameters()]
     assert not any(p.requires_grad or p in in_optimizer for p in frozen)
-    assert all(p.requires_grad and p in in_optimizer for layer in model.bert.encoder.layer[1:] for p in layer.parameters())
+    assert all(p.requires_grad and p in in_optimizer
+               for layer in model.bert.encoder.layer[1:] for p in layer.parameters())
     assert not model.bert.embeddings.training and not model.bert.encoder.layer[0].training
     assert model.bert.encoder.layer[1].training
     assert freezer.at_start == {"step": 0, "frozen_layers": 1, "at_start": freezer.prior.describe()}
