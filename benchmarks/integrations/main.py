@@ -15,7 +15,8 @@ on odd ones), so a disturbance of the shared machine hits both.
 
 ``--cache`` gives the training rows their index (``idx``) and attaches the callback with the activation cache
 (``attach(trainer, cache=...)``), so from the second epoch the frozen layers' output is served, not computed; its runs
-go to their own folder (``runs-cache``).
+go to their own folder (``runs-cache``). ``--set freeze.KEY=VALUE`` (as ``pipetransformer train --set``) runs the
+callback with other freeze settings than the default, into folders named after them (``runs-freeze.policy=none``).
 
 A finished run is recorded in the runs folder and not run again: a launch cut short goes on where it stopped.
 """
@@ -31,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.config import FreezeConfig, apply_overrides, config_from_dict
 from pipetransformer.report import combined_se, seeds_difference
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +62,7 @@ RUN_TIMEOUT_S = 3 * 3600
 TARGET_SPEEDUP = 1.3
 TARGET_ACCURACY_POINTS = 0.5
 PERCENT = 100.0
+FREEZE_PREFIX = "freeze."
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,8 @@ def worker(args: argparse.Namespace) -> None:
     trainer = Trainer(model=model, args=training, train_dataset=rows(splits.train), eval_dataset=rows(splits.test),
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
     cache = CacheConfig(enabled=True) if args.cache else None
-    callback = AutoFreezeCallback.attach(trainer, cache=cache, cache_max_length=MAX_LENGTH) \
-        if args.configuration == "autofreeze" else None
+    callback = AutoFreezeCallback.attach(trainer, freeze_settings(args.set), cache=cache,
+                                         cache_max_length=MAX_LENGTH) if args.configuration == "autofreeze" else None
     trained = trainer.train()
     tested = trainer.predict(trainer.eval_dataset)  # gathered over the ranks in the split's order
     correct = (np.argmax(tested.predictions, axis=-1) == tested.label_ids).astype(int).tolist()
@@ -128,7 +132,16 @@ def worker(args: argparse.Namespace) -> None:
             else None, **{key: machine[key] for key in ("cpu", "torch_cpu_capability")}}))
 
 
-def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path, cache: bool) -> dict[str, Any]:
+def freeze_settings(overrides: Sequence[str]) -> FreezeConfig:
+    """The callback's settings: the package's defaults with ``freeze.KEY=VALUE`` overrides (checked as the CLI's)."""
+    wrong = [item for item in overrides if not item.startswith(FREEZE_PREFIX)]
+    if wrong:
+        raise SystemExit(f"error: --set {wrong[0]}: only freeze settings apply here (--set freeze.policy=none)")
+    return config_from_dict(apply_overrides({}, list(overrides))).freeze
+
+
+def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path, cache: bool,
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
     """One run, or the record of it if an earlier launch into the same folder finished it (a launch can stop between
     runs and go on later: ``--seeds 2`` today, ``--seeds 3`` tomorrow runs the third seed's pair only)."""
     done_file = out / f"{configuration}-seed{seed}.done.json"
@@ -142,7 +155,7 @@ def _run(configuration: str, seed: int, quick: bool, split_seed: int, out: Path,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                str(Path(__file__).resolve()), "--worker", configuration, "--seed", str(seed),
                "--split-seed", str(split_seed), "--worker-out", str(result_file)] + (["--quick"] if quick else []) \
-        + (["--cache"] if cache else [])
+        + (["--cache"] if cache else []) + [option for item in overrides for option in ("--set", item)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
     started, load_before = time.time(), os.getloadavg()[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -206,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split-seed", type=int, default=SPLIT_SEED,
                         help=f"data.split_seed of the test rows (default {SPLIT_SEED}; a new one for a new default)")
     parser.add_argument("--cache", action="store_true", help="the callback serves the activation cache")
+    parser.add_argument("--set", action="append", default=[], metavar="freeze.KEY=VALUE",
+                        help="a freeze setting other than the default, for the callback (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/ beside this script)")
     parser.add_argument("--worker", choices=CONFIGURATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -215,21 +230,23 @@ def main(argv: list[str] | None = None) -> None:
         args.configuration = args.worker
         worker(args)
         return
+    freeze_settings(args.set)  # a wrong setting stops here, before any run
     out = args.out or HERE / "results"
-    suffix = ("-quick" if args.quick else "") + ("-cache" if args.cache else "")
+    suffix = ("-quick" if args.quick else "") + ("-cache" if args.cache else "") + "".join(f"-{o}" for o in args.set)
     runs = out / f"runs{suffix}"
     runs.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in SEEDS[:args.seeds]:
         order = CONFIGURATIONS if seed % 2 == 0 else tuple(reversed(CONFIGURATIONS))
         for configuration in order:
-            result = _run(configuration, seed, args.quick, args.split_seed, runs, args.cache)
+            result = _run(configuration, seed, args.quick, args.split_seed, runs, args.cache, args.set)
             print(f"{configuration} seed {seed}: {result['train_s']:.1f} s, test accuracy "
                   f"{result['test_accuracy'] * PERCENT:.2f}, frozen {result['decisions']}", flush=True)
             results.append(result)
     summary = summarize(results)
     name = f"results{suffix}"
-    header = f"{'--quick' if args.quick else 'full'}{', --cache' if args.cache else ''}, " \
+    header = f"{'--quick' if args.quick else 'full'}{', --cache' if args.cache else ''}" \
+             f"{''.join(f', --set {o}' for o in args.set)}, " \
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, split_seed {args.split_seed}"
     (out / f"{name}.json").write_text(json.dumps({"header": header, "machine": machine_info(), "summary": summary,
                                                   "runs": results}, indent=1))

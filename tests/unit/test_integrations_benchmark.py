@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmark_scripts import load_benchmark
+from pipetransformer.config import ConfigError
 from pipetransformer.report import combined_se
 
 integrations = load_benchmark("integrations")
@@ -60,3 +61,13 @@ def test_a_finished_run_is_reused_and_a_different_split_seed_is_refused(tmp_path
     assert integrations._run("baseline", 0, False, 7, tmp_path, False) == recorded  # no process started
     with pytest.raises(SystemExit, match="--split-seed 7, not 8"):
         integrations._run("baseline", 0, False, 8, tmp_path, False)
+
+
+def test_freeze_settings_other_than_the_default_are_parsed_as_the_cli_does_and_wrong_ones_stop_the_launch() -> None:
+    assert integrations.freeze_settings([]) == integrations.FreezeConfig()
+    prior_alone = integrations.freeze_settings(["freeze.policy=none", "freeze.prior=2"])
+    assert (prior_alone.policy, prior_alone.prior) == ("none", 2)
+    with pytest.raises(SystemExit, match="only freeze settings apply here"):
+        integrations.freeze_settings(["train.lr=1e-3"])
+    with pytest.raises(ConfigError, match="unknown key 'freeze.polcy'"):
+        integrations.main(["--set", "freeze.polcy=none", "--out", "/nonexistent/never-made"])
