@@ -247,7 +247,9 @@ def test_an_extra_call_reporting_the_epoch_end_counts_no_extra_step(name: str, u
 
 
 def test_none_never_freezes() -> None:
-    assert frozen_counts(run(build("none"), stable_bottom_trace(10, NUM_LAYERS))) == [0] * 10
+    assert frozen_counts(run(policy := build("none"), stable_bottom_trace(10, NUM_LAYERS))) == [0] * 10
+    assert policy.outcome() == "nothing froze: freeze.policy is none"  # no windows to count: it decides nothing
+    assert build("none", prior_layers=2).outcome() == "nothing froze beyond the prior's 2 layers: freeze.policy is none"
 
 
 def random_decisions(seed: int, windows: int = 6) -> list[frozenset[int]]:

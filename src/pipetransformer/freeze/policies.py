@@ -349,6 +349,10 @@ class NoFreezePolicy(FreezePolicy):
     def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
         return None
 
+    def outcome(self) -> str:
+        """It takes no decisions: what froze is the prior's."""
+        return f"{self._nothing()}: freeze.policy is none"
+
 
 class GeometricPolicy(FreezePolicy):
     """Freezes ``round(L (1 - (1 - alpha)^T))`` leading layers at the ``T``-th window end.
