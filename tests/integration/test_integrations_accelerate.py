@@ -64,7 +64,7 @@ def _accelerate_worker(rank: int, port: int, out: str) -> None:
     frozen_then: dict[str, torch.Tensor] = {}
     decisions, reduced, observed = [], [], []
     optimizer_steps = 0
-    for indices, (input_ids, attention_mask), labels in loader:
+    for _, (input_ids, attention_mask), labels in loader:  # items: (index, inputs, label)
         with accelerator.accumulate(ddp):
             accelerator.backward(ddp(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss)
             if accelerator.sync_gradients:
@@ -91,7 +91,7 @@ def _accelerate_worker(rank: int, port: int, out: str) -> None:
                 "in_optimizer": sorted(n for n, p in params.items()
                                        if any(p is q for g in inner.param_groups for q in g["params"])),
                 "states_kept": sorted(n for n, i in states_before.items()
-                                if params[n].requires_grad and id(inner.state[params[n]]) == i),
+                                      if params[n].requires_grad and id(inner.state[params[n]]) == i),
                 "trainable_names": sorted(n for n, p in params.items() if p.requires_grad),
                 "training_modes": [layer.training for layer in find_layer_stack(model).layers],
                 "params": {n: p.detach().clone() for n, p in params.items()}}, f"{out}/rank{rank}.pt")
