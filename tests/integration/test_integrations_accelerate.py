@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_text import rotten_tomatoes, tiny_classifier
 from pipetransformer.config import FreezeConfig
 from pipetransformer.integrations import AutoFreezer, find_layer_stack
-from process_group import LOOPBACK, free_port, leave
+from process_group import LOOPBACK, free_port, leave, record_buckets
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +29,6 @@ STEPS = 8  # optimizer steps: STEPS * ACCUMULATION micro-batches per rank
 WINDOW = 4
 SETTINGS = FreezeConfig(policy="geometric", interval=WINDOW, interval_unit="steps", max_fraction=1 / 3)
 EXPECTED_FROZEN = 2
-
-
-def _record_buckets(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """An all-reduce (averaged, as DDP's own) that records how many gradient entries it carried."""
-    state.append(bucket.buffer().numel())
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-# DDP checks a hook's annotations as objects; ``from __future__ import annotations`` made them strings.
-_record_buckets.__annotations__.update(bucket=dist.GradBucket, state=list[int],
-                                       **{"return": torch.futures.Future[torch.Tensor]})
 
 
 def _accelerate_worker(rank: int, port: int, out: str) -> None:
@@ -57,7 +44,7 @@ def _accelerate_worker(rank: int, port: int, out: str) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH)
     ddp, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     buckets: list[int] = []
-    ddp.register_comm_hook(buckets, _record_buckets)
+    ddp.register_comm_hook(buckets, record_buckets)
     freezer = AutoFreezer(ddp, optimizer, settings=SETTINGS, pretrained=False)
     full = sum(p.numel() for p in model.parameters())
     states_before: dict[str, int] = {}  # each parameter's optimizer state object, just before the freeze

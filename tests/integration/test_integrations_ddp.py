@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_text import classification_batch, rotten_tomatoes, tiny_classifier
 from pipetransformer.config import FreezeConfig
 from pipetransformer.integrations import AutoFreezer, find_layer_stack
-from process_group import free_port, join, leave
+from process_group import free_port, join, leave, record_buckets
 
 pytestmark = pytest.mark.slow
 
@@ -34,24 +34,12 @@ SETTINGS = FreezeConfig(policy="geometric", interval=4, interval_unit="steps", m
 EXPECTED_FROZEN = 2
 
 
-def _record_buckets(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """An all-reduce (averaged, as DDP's own) that records how many gradient entries it carried."""
-    state.append(bucket.buffer().numel())
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-# DDP checks a hook's annotations as objects; ``from __future__ import annotations`` made them strings.
-_record_buckets.__annotations__.update(bucket=dist.GradBucket, state=list[int],
-                                       **{"return": torch.futures.Future[torch.Tensor]})
-
-
 def _setup(rank: int) -> tuple[Any, DistributedDataParallel, torch.optim.Optimizer, list[int]]:
     data = rotten_tomatoes()
     model = tiny_classifier(data.input_ids.max().item() + 1)
     ddp = DistributedDataParallel(model)
     buckets: list[int] = []
-    ddp.register_comm_hook(buckets, _record_buckets)
+    ddp.register_comm_hook(buckets, record_buckets)
     return data, ddp, torch.optim.AdamW(model.parameters(), lr=LR), buckets
 
 

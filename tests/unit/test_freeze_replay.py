@@ -59,7 +59,7 @@ def test_replay_command_prints_decisions_with_overrides(tmp_path: Path, capsys: 
     assert "step 4 (epoch 0): 2 layers frozen [0, 1]" in capsys.readouterr().out
     assert main(["replay", str(run_dir), "--set", "freeze.policy=none"]) == 0  # --set reaches the policy
     # the policy's own account of why (the run's model is pretrained: the prior froze a third of its 3 layers)
-    assert "nothing froze beyond the prior's 1 layer in" in capsys.readouterr().out
+    assert "nothing froze beyond the prior's 1 layer: freeze.policy is none" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("every", "freeze_at", "message"), [
