@@ -16,6 +16,7 @@ from transformers import Trainer, TrainingArguments
 from hf_text import MAX_LENGTH, rotten_tomatoes, tiny_classifier
 from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.integrations import AutoFreezeCallback
+from process_group import leave
 
 SETTINGS = FreezeConfig(policy="none", prior=2)  # both runs freeze the same two layers before the first step
 
@@ -65,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the Trainer's gloo group would otherwise meet the interpreter's finalization: SIGABRT, now and then

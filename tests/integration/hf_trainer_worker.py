@@ -20,6 +20,7 @@ from pipetransformer.config import FreezeConfig
 from pipetransformer.data import SampleLimits, TextDataset, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezeCallback
 from pipetransformer.models.hf import load_tokenizer, minilm_path
+from process_group import leave
 
 MAX_LENGTH = 32
 # transformers 5.24 multiplies a model's loss by the process count when the model takes loss kwargs (every model
@@ -146,3 +147,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the Trainer's gloo group would otherwise meet the interpreter's finalization: SIGABRT, now and then
