@@ -51,13 +51,14 @@ def _ragged_rows() -> list[dict[str, Any]]:
             for row, n in zip(_rows(), lengths)]
 
 
-def _trainer(tmp_path: Path, rows: list[dict[str, Any]], collator: Any = None, **arguments: Any) -> Any:
+def _trainer(tmp_path: Path, rows: list[dict[str, Any]], collator: Any = None, model: nn.Module | None = None,
+             **arguments: Any) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=EPOCHS,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True, seed=0, dataloader_num_workers=0, **arguments)
-    return Trainer(model=_bert(), args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
+    return Trainer(model=model or _bert(), args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
 
 
 def _losses(trainer: Any) -> list[float]:
@@ -162,9 +163,9 @@ def test_a_peft_lora_model_in_the_trainer_is_frozen_and_served_as_a_plain_one(tm
 
     runs = []
     for name, cache in (("plain", None), ("cached", CACHE)):
-        trainer = _trainer(tmp_path / name, _rows())
-        trainer.model = get_peft_model(trainer.model, LoraConfig(r=2, target_modules=["query", "value"],
-                                                                 modules_to_save=["classifier"]))
+        lora = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["query", "value"],
+                                                  modules_to_save=["classifier"]))
+        trainer = _trainer(tmp_path / name, _rows(), model=lora)
         callback = AutoFreezeCallback.attach(trainer, SETTINGS, cache=cache, cache_max_length=LENGTH)
         trainer.train()
         runs.append((trainer, callback))
