@@ -132,6 +132,20 @@ def worker(args: argparse.Namespace) -> None:
             else None, **{key: machine[key] for key in ("cpu", "torch_cpu_capability")}}))
 
 
+def _leave() -> None:
+    """The worker's end, once rank 0 has written its result: a barrier, then the process ends without tearing gloo
+    down. The Trainer's process group (made by Accelerate) is still alive here, and a normal exit would meet its gloo
+    threads in the interpreter's finalization: "terminate called without an active exception", SIGABRT, now and then,
+    which would fail a finished run (docs/teardown.md; the test workers end the same way)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def freeze_settings(overrides: Sequence[str]) -> FreezeConfig:
     """The callback's settings: the package's defaults with ``freeze.KEY=VALUE`` overrides (checked as the CLI's)."""
     wrong = [item for item in overrides if not item.startswith(FREEZE_PREFIX)]
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         args.configuration = args.worker
         worker(args)
-        return
+        _leave()
     freeze_settings(args.set)  # a wrong setting stops here, before any run
     out = args.out or HERE / "results"
     suffix = ("-quick" if args.quick else "") + ("-cache" if args.cache else "") + "".join(f"-{o}" for o in args.set)

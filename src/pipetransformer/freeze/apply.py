@@ -13,7 +13,8 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["Blocks", "PreviousGradients", "block_grad_sq_norms", "drop_from_optimizer", "freeze_blocks", "pin_eval"]
+__all__ = ["Blocks", "PreviousGradients", "block_grad_sq_norms", "drop_from_optimizer", "freeze_blocks", "local_part",
+           "pin_eval"]
 
 
 class Blocks(Protocol):
@@ -90,20 +91,28 @@ def drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen_ids: set[int]) 
         group["params"] = kept
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard (FSDP2 keeps each gradient reduce-scattered across the
+    ranks), any other tensor as it is. Statistics summed over the ranks' parts then equal the whole tensor's."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def block_grad_sq_norms(model: Blocks, blocks: range | None = None) -> torch.Tensor:
     """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
     0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
 
-    Each tensor's norm in its own dtype (as ``clip_grad_norm_`` does), summed over tensors in float64:
-    converting every gradient to float64 first cost ~80 ms per MiniLM step on one core, against ~12 ms,
-    for a difference in the 4th significant digit that neither clipping nor the freeze ratios can see.
+    A sharded gradient (FSDP2's DTensor) counts its local shard only. Each tensor's norm in its own dtype (as
+    ``clip_grad_norm_`` does), summed over tensors in float64: converting every gradient to float64 first cost
+    ~80 ms per MiniLM step on one core, against ~12 ms, for a difference in the 4th significant digit that neither
+    clipping nor the freeze ratios can see.
     """
     norms = torch.zeros(len(model), dtype=torch.float64)
     with torch.no_grad():
         for index in blocks if blocks is not None else range(len(model)):
             grads = [p.grad for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
             if grads:
-                norms[index] = sum(torch.linalg.vector_norm(g).double().square() for g in grads)
+                norms[index] = sum(torch.linalg.vector_norm(local_part(g)).double().square() for g in grads)
     return norms
 
 
@@ -113,7 +122,8 @@ class PreviousGradients:
 
     Costs one gradient-sized buffer per trainable parameter held, and a copy per step. A parameter whose
     previous gradient is unknown (the first step, a step it got no gradient, a block that just arrived from
-    another rank) gives its block no valid dot product for that step.
+    another rank) gives its block no valid dot product for that step. A sharded gradient (FSDP2) keeps and
+    multiplies its local shard only: the ranks' dot products sum to the whole one.
     """
 
     def __init__(self) -> None:
@@ -131,12 +141,13 @@ class PreviousGradients:
                 params = [p for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
                 if not params:
                     continue
+                grads = {p: local_part(p.grad) for p in params}
                 if all(p in self._previous for p in params):
-                    dots[index] = sum(torch.dot(p.grad.reshape(-1), self._previous[p].reshape(-1)).double()
+                    dots[index] = sum(torch.dot(grads[p].reshape(-1), self._previous[p].reshape(-1)).double()
                                       for p in params)
                     valid[index] = 1.0
                 for p in params:
                     buffer = self._previous.get(p)
-                    current[p] = p.grad.detach().clone() if buffer is None else buffer.copy_(p.grad)
+                    current[p] = grads[p].detach().clone() if buffer is None else buffer.copy_(grads[p])
         self._previous = current  # parameters without a gradient this step (frozen, moved away) are forgotten
         return dots, valid

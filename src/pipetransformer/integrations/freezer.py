@@ -6,8 +6,11 @@ The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2``
 policy built by ``freeze.policies.policy_from_settings`` from ``config.FreezeConfig`` (its defaults unless the
 caller passes settings). A decision freezes the layers' parameters (``requires_grad`` off, out of the optimizer,
 every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
-of DDP's all-reduce (``integrations.ddp``). With ``cache=CacheConfig(enabled=True)`` the frozen layers' output is
-also kept per sample and served inside :meth:`AutoFreezer.serving` (``integrations.cache``).
+of DDP's all-reduce (``integrations.ddp``). Under FSDP2 (``fully_shard``) each rank holds a shard of every
+gradient, so every rank contributes its shards' statistics to the sum, and a frozen layer leaves the reduce-scatter
+and the backward's all-gather by itself (its parameters get no gradient). With ``cache=CacheConfig(enabled=True)``
+the frozen layers' output is also kept per sample and served inside :meth:`AutoFreezer.serving`
+(``integrations.cache``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
@@ -65,6 +69,15 @@ def _checkpoints_reentrantly(layer: nn.Module) -> bool:
     return getattr(function, "keywords", {}).get("use_reentrant") is not False
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard`` on it or on any of its modules); FSDP1's wrapper is
+    refused: it flattens a module's parameters into one, whose ``requires_grad`` cannot change for a layer alone."""
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        raise ValueError("AutoFreezer cannot freeze layers inside FullyShardedDataParallel (FSDP1), which flattens "
+                         "their parameters: shard the model with torch.distributed.fsdp.fully_shard (FSDP2) instead")
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 def _optimizer_steps_now(optimizer: Any) -> bool:
     """False on an accumulation micro-step of Accelerate's ``AcceleratedOptimizer`` (its ``step`` does nothing
     there); True for any other optimizer."""
@@ -75,8 +88,9 @@ class AutoFreezer:
     """Freezes the converged leading layers of ``model`` while a plain loop trains it.
 
     ``model``: a Hugging Face encoder or decoder (with or without a head, possibly inside
-    ``DistributedDataParallel``), whose layers are found by structure, or a :class:`LayerStack` naming the
-    ordered layers (and the embeddings that freeze with layer 0) of any model, with ``ddp`` its wrapper if any.
+    ``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard``), whose layers are found by structure, or a
+    :class:`LayerStack` naming the ordered layers (and the embeddings that freeze with layer 0) of any model, with
+    ``ddp`` its wrapper if any.
     Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
     gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
     before it steps. What froze before the first step (the prior) is recorded in ``at_start``.
@@ -100,6 +114,9 @@ class AutoFreezer:
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
         if self.ddp is not None:
             check_droppable(self.ddp)
+        self.sharded = _is_sharded(model if not isinstance(model, LayerStack)
+                                   else model.model or nn.ModuleList(model.layers))
+        """FSDP2: every rank holds a shard of each gradient (under DDP every rank holds all of it, alike)."""
         if isinstance(model, LayerStack):
             self.stack = model
         else:
@@ -129,6 +146,10 @@ class AutoFreezer:
             if cache_samples is None:
                 raise ValueError("AutoFreezer(cache=...) needs cache_samples, the dataset's size, to key each "
                                  "sample's record by its index")
+            if self.sharded:
+                raise ValueError("the activation cache runs the frozen layers' forwards itself, past FSDP2's "
+                                 "all-gather of their weights: use the cache without fully_shard (DDP or one "
+                                 "process), or FSDP2 without cache=")
             if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
                 raise ValueError("the activation cache swaps the frozen layers' forwards for each batch, which a "
                                  "compiled model does not follow: use the cache with the model uncompiled, or "
@@ -181,10 +202,13 @@ class AutoFreezer:
             return None
         layers = range(len(self.stack))
         control = ControlVector.zeros(len(self.stack))
-        if not dist.is_initialized() or dist.get_rank() == 0:  # after DDP's all-reduce every rank holds the same
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        if first or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
             control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
             dots, valid = self.previous_grads.block_dots(self.stack, layers)
-            control.layer_grad_dots[:], control.layer_dot_valid[:] = dots, valid
+            control.layer_grad_dots[:] = dots
+            if first:  # every rank's shards had a previous gradient at the same steps: one rank says which
+                control.layer_dot_valid[:] = valid
         control = control.all_reduce(device=self._device)
         self.policy.observe(control.layer_grad_norms(), control.layer_dots())
         decision = self.policy.decide(self.steps, 0, epoch_end=False)

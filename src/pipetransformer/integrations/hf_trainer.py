@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -130,6 +131,8 @@ class AutoFreezeCallback(TrainerCallback):
         wrapped = self.trainer.model_wrapped if self.trainer is not None else model
         if isinstance(wrapped, DistributedDataParallel):
             target: nn.Module = wrapped
+        elif any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in wrapped.modules()):
+            target = wrapped  # FSDP2 shards in place; AutoFreezer refuses FSDP1's flattened parameters in one line
         elif dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("under DDP, AutoFreezeCallback must reach the Trainer's DDP wrapper: add it with "
                              "AutoFreezeCallback.attach(trainer) instead of Trainer(callbacks=[...])")
