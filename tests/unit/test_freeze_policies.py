@@ -653,6 +653,18 @@ def test_coherence_outcome_says_why_nothing_froze(windows: list[list[float]], le
     assert needle in policy.outcome()
 
 
+@pytest.mark.parametrize(("learned_by", "needle"), [
+    ("layer", "layer 2 learned, but its gradient coherence never stayed below 0.1"),
+    ("any_layer", "a layer learned, but layer 2's gradient coherence never stayed below 0.1"),
+])
+def test_coherence_outcome_names_the_first_layer_above_the_prior(learned_by: str, needle: str) -> None:
+    norms, dots = coherence_trace([LEARNING] * 6)  # layers 0-1 are the prior's: the evidence starts at layer 2
+    policy = build("coherence", alpha=1.0, threshold=0.1, learned_by=learned_by, prior_layers=2)
+    run(policy, norms, dots=dots)
+    assert len(policy.frozen) == 2
+    assert policy.outcome().startswith("nothing froze beyond the prior's 2 layers") and needle in policy.outcome()
+
+
 def test_outcome_counts_what_froze_or_names_the_bound_that_forbids_it() -> None:
     norms, dots = coherence_trace([LEARNING] + [NOISE] * 2)
     policy = build("coherence", alpha=1.0, threshold=0.1, max_fraction=0.5)

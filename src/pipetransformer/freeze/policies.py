@@ -673,9 +673,11 @@ class CoherencePolicy(FreezePolicy):
         return reasons
 
     def outcome(self) -> str:
-        """Why nothing froze, in the test's terms: the bottom layer must converge first (freezing is a prefix)."""
+        """Why nothing froze, in the test's terms: the bottom layer above the prior must converge first (freezing
+        is a prefix)."""
         if len(self.frozen) > self.prior_layers or min(self.max_frozen, self.evidence_cap) <= self.prior_layers:
             return super().outcome()
+        first = self.prior_layers  # the first layer the evidence must find converged
         if self.interval_unit == "steps":
             window_steps = self.interval
         else:  # epochs: the windows so far (a run shorter than one window has seen at most its steps)
@@ -690,11 +692,12 @@ class CoherencePolicy(FreezePolicy):
         if self.learned_by == "any_layer" and not any(self.learned):
             return (f"{super().outcome()}: no layer's gradient coherence ever {reached} (the model did "
                     "not start learning, or its gradients are mostly mini-batch noise)")
-        if self.learned_by == "layer" and not self.learned[0]:
-            return (f"{super().outcome()}: layer 0's gradient coherence never {reached} (it did not "
+        if self.learned_by == "layer" and not self.learned[first]:
+            return (f"{super().outcome()}: layer {first}'s gradient coherence never {reached} (it did not "
                     "start learning, or its gradient is mostly mini-batch noise), and a layer counts as converged only "
                     "after it learned (freeze.learned_by: any_layer starts its test once any layer has)")
-        learned = "layer 0 learned, but its" if self.learned_by == "layer" else "a layer learned, but layer 0's"
+        learned = f"layer {first} learned, but its" if self.learned_by == "layer" else \
+            f"a layer learned, but layer {first}'s"
         return (f"{super().outcome()}: {learned} gradient coherence never stayed below {self.threshold} for two "
                 "windows in a row")
 
