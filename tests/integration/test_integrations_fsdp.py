@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_text import LAYERS, classification_batch, rotten_tomatoes, tiny_classifier
+from hf_text import LAYERS, TRAIN_ROWS, classification_batch, rotten_tomatoes, tiny_classifier
 from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.integrations import AutoFreezer
 from process_group import free_port, join, leave
@@ -48,10 +48,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-def _worker(rank: int, port: int, out: str, wrapper: str) -> None:
-    """Train STEPS steps under ``wrapper`` (ddp or fsdp) with the freezer; save what the policy saw, the
-    collectives per step, the optimizer state objects' fate and the final weights (whole)."""
-    join(rank, WORLD, port)
+def _train(wrapper: str, rank: int) -> dict[str, Any]:
+    """Train STEPS steps under ``wrapper`` (ddp or fsdp) with the freezer: what the policy saw, the collectives per
+    step, the optimizer state objects' fate and the final weights (whole)."""
     data = rotten_tomatoes()
     model = tiny_classifier(data.input_ids.max().item() + 1)
     wrapped = _wrap(model, wrapper)
@@ -79,34 +78,41 @@ def _worker(rank: int, port: int, out: str, wrapper: str) -> None:
                           sum(len(group["params"]) for group in optimizer.param_groups) == len(kept))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return {"observed": observed, "records": records, "counts": counts, "state_kept": state_kept,
+            "params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def _refusals() -> dict[str, str]:
+    vocabulary = rotten_tomatoes().input_ids.max().item() + 1
+    fsdp1 = FullyShardedDataParallel(tiny_classifier(vocabulary), device_id=torch.device("cpu"))
+    cached = _wrap(tiny_classifier(vocabulary), "fsdp")
     refusals = {}
-    if wrapper == "fsdp":
-        fsdp1 = FullyShardedDataParallel(tiny_classifier(data.input_ids.max().item() + 1),
-                                         device_id=torch.device("cpu"))
-        cached = _wrap(tiny_classifier(data.input_ids.max().item() + 1), "fsdp")
-        for name, make in {"fsdp1": lambda: AutoFreezer(fsdp1, torch.optim.AdamW(fsdp1.parameters())),
-                           "cache": lambda: AutoFreezer(cached, torch.optim.AdamW(cached.parameters()), settings=SETTINGS,
-                                                        cache=CacheConfig(enabled=True), cache_samples=len(data))
-                           }.items():
-            try:
-                make()
-            except ValueError as error:
-                refusals[name] = str(error)
-    torch.save({"observed": observed, "records": records, "counts": counts, "state_kept": state_kept,
-                "params": {n: _full(p) for n, p in model.named_parameters()}, "refusals": refusals},
-               f"{out}/{wrapper}-rank{rank}.pt")
+    for name, make in {"fsdp1": lambda: AutoFreezer(fsdp1, torch.optim.AdamW(fsdp1.parameters())),
+                       "cache": lambda: AutoFreezer(cached, torch.optim.AdamW(cached.parameters()), settings=SETTINGS,
+                                                    cache=CacheConfig(enabled=True), cache_samples=TRAIN_ROWS)}.items():
+        try:
+            make()
+        except ValueError as error:
+            refusals[name] = str(error)
+    return refusals
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """The same run under DDP and under FSDP2 in one process group, then the refusals."""
+    join(rank, WORLD, port)
+    torch.save({**{wrapper: _train(wrapper, rank) for wrapper in ("ddp", "fsdp")}, "refusals": _refusals()},
+               f"{out}/rank{rank}.pt")
     leave()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fsdp")
-    for wrapper in ("ddp", "fsdp"):
-        mp.spawn(_worker, args=(free_port(), str(out), wrapper), nprocs=WORLD, join=True)
-    return {wrapper: torch.load(out / f"{wrapper}-rank0.pt", weights_only=False) for wrapper in ("ddp", "fsdp")}
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out / "rank0.pt", weights_only=False)
 
 
-def test_the_policy_sees_the_same_statistics_under_fsdp2_as_under_ddp(runs: dict[str, dict[str, Any]]) -> None:
+def test_the_policy_sees_the_same_statistics_under_fsdp2_as_under_ddp(runs: dict[str, Any]) -> None:
     ddp, fsdp = runs["ddp"], runs["fsdp"]
     assert len(fsdp["observed"]) == len(ddp["observed"]) == STEPS
     assert (fsdp["observed"][0][0] > 0).all()  # every layer has a gradient before the freeze
@@ -118,7 +124,7 @@ def test_the_policy_sees_the_same_statistics_under_fsdp2_as_under_ddp(runs: dict
 
 
 def test_a_freeze_under_fsdp2_leaves_the_collectives_and_the_optimizer_and_trains_as_ddp(
-        runs: dict[str, dict[str, Any]]) -> None:
+        runs: dict[str, Any]) -> None:
     ddp, fsdp = runs["ddp"], runs["fsdp"]
     freeze_step = fsdp["records"][0]["step"]
     assert 0 < freeze_step < STEPS - 1
@@ -134,8 +140,8 @@ def test_a_freeze_under_fsdp2_leaves_the_collectives_and_the_optimizer_and_train
         torch.testing.assert_close(value, ddp["params"][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_fsdp1_and_the_cache_under_fsdp2_are_refused_in_one_line(runs: dict[str, dict[str, Any]]) -> None:
-    refusals = runs["fsdp"]["refusals"]
+def test_fsdp1_and_the_cache_under_fsdp2_are_refused_in_one_line(runs: dict[str, Any]) -> None:
+    refusals = runs["refusals"]
     assert "FullyShardedDataParallel (FSDP1)" in refusals["fsdp1"] and "fully_shard" in refusals["fsdp1"]
     assert "FSDP2 without cache=" in refusals["cache"]
     assert all("\n" not in message for message in refusals.values())

@@ -8,7 +8,8 @@ caller passes settings). A decision freezes the layers' parameters (``requires_g
 every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
 of DDP's all-reduce (``integrations.ddp``). Under FSDP2 (``fully_shard``) each rank holds a shard of every
 gradient, so every rank contributes its shards' statistics to the sum, and a frozen layer leaves the reduce-scatter
-and the backward's all-gather by itself (its parameters get no gradient). With ``cache=CacheConfig(enabled=True)``
+by itself (its parameters get no gradient), and the backward's all-gather but for the top frozen layer (FSDP2
+prefetches the weights of the layer below each backward). With ``cache=CacheConfig(enabled=True)``
 the frozen layers' output is also kept per sample and served inside :meth:`AutoFreezer.serving`
 (``integrations.cache``).
 """
@@ -202,12 +203,12 @@ class AutoFreezer:
             return None
         layers = range(len(self.stack))
         control = ControlVector.zeros(len(self.stack))
-        first = not dist.is_initialized() or dist.get_rank() == 0
-        if first or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0 or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
             control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
             dots, valid = self.previous_grads.block_dots(self.stack, layers)
             control.layer_grad_dots[:] = dots
-            if first:  # every rank's shards had a previous gradient at the same steps: one rank says which
+            if rank0:  # every rank's shards had a previous gradient at the same steps: one rank says which
                 control.layer_dot_valid[:] = valid
         control = control.all_reduce(device=self._device)
         self.policy.observe(control.layer_grad_norms(), control.layer_dots())
