@@ -1,9 +1,8 @@
 """The plain-PyTorch AutoFreezer on 2 real gloo processes under FSDP2 (``fully_shard``): the per-layer statistics the
 policy reads equal DDP's on the same batches (each rank holds only a shard of every gradient), a freeze mid-run takes
 the frozen layers out of the reduce-scatter and (all but the top one, which FSDP2's backward prefetch still gathers)
-out of the backward's all-gather (counted by ``CommDebugMode``),
-keeps the surviving parameters' optimizer state objects, and trains as DDP does; FSDP1 and the activation cache
-under FSDP2 are refused in one line."""
+out of the backward's all-gather (counted by ``CommDebugMode``), keeps the surviving parameters' optimizer state
+objects, and trains as DDP does; FSDP1 and the activation cache under FSDP2 are refused in one line."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from pipetransformer.integrations.ddp import check_droppable, drop_frozen_from_d
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
 from pipetransformer.train.control import ControlVector
 
-__all__ = ["AutoFreezer"]
+__all__ = ["AutoFreezer", "sharded_by_fsdp2"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _checkpoints_reentrantly(layer: nn.Module) -> bool:
     return getattr(function, "keywords", {}).get("use_reentrant") is not False
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def sharded_by_fsdp2(model: nn.Module) -> bool:
     """Whether ``model`` is sharded by FSDP2 (``fully_shard`` on it or on any of its modules); FSDP1's wrapper is
     refused: it flattens a module's parameters into one, whose ``requires_grad`` cannot change for a layer alone."""
     if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
@@ -115,7 +115,7 @@ class AutoFreezer:
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
         if self.ddp is not None:
             check_droppable(self.ddp)
-        self.sharded = _is_sharded(model if not isinstance(model, LayerStack)
+        self.sharded = sharded_by_fsdp2(model if not isinstance(model, LayerStack)
                                    else model.model or nn.ModuleList(model.layers))
         """FSDP2: every rank holds a shard of each gradient (under DDP every rank holds all of it, alike)."""
         if isinstance(model, LayerStack):

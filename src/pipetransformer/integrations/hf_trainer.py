@@ -28,14 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pipetransformer.config import CacheConfig, FreezeConfig
-from pipetransformer.integrations.freezer import AutoFreezer
+from pipetransformer.integrations.freezer import AutoFreezer, sharded_by_fsdp2
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -131,8 +130,8 @@ class AutoFreezeCallback(TrainerCallback):
         wrapped = self.trainer.model_wrapped if self.trainer is not None else model
         if isinstance(wrapped, DistributedDataParallel):
             target: nn.Module = wrapped
-        elif any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in wrapped.modules()):
-            target = wrapped  # FSDP2 shards in place; AutoFreezer refuses FSDP1's flattened parameters in one line
+        elif sharded_by_fsdp2(wrapped):  # FSDP2 shards in place (FSDP1 is refused here in one line)
+            target = wrapped
         elif dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("under DDP, AutoFreezeCallback must reach the Trainer's DDP wrapper: add it with "
                              "AutoFreezeCallback.attach(trainer) instead of Trainer(callbacks=[...])")
