@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import (AutoModelForSequenceClassification, EvalPrediction, Trainer, TrainerCallback,
-                          TrainingArguments)
+                          TrainingArguments, set_seed)
 
 from pipetransformer.config import FreezeConfig
 from pipetransformer.data import SampleLimits, TextDataset, load_rotten_tomatoes
@@ -106,6 +106,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(minilm_path())
     splits = load_rotten_tomatoes(tokenizer, MAX_LENGTH, limits=SampleLimits(train=256, test=128))
+    set_seed(0)  # the new classification head is drawn now (the Trainer seeds only once the model exists); unseeded,
+    # torch 2.13 draws it from a per-process random seed, so the freeze decisions moved from run to run
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
     training = TrainingArguments(output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=8,
                                  per_device_eval_batch_size=32, max_steps=args.steps, learning_rate=5e-5,
