@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
-from pipetransformer.config import CacheConfig
+from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezer
 from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -25,6 +25,8 @@ parser.add_argument("--rows", type=int, default=2000, help="training snippets")
 parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
 parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=not torch.cuda.is_available(),
                     help="Accelerate's own switch: processes on CPU (gloo) rather than one accelerator each")
+parser.add_argument("--prior", default="none", type=lambda value: int(value) if value.isdigit() else value,
+                    help="frozen before any evidence: none (the default), auto, embeddings or a layer count")
 args = parser.parse_args()
 accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=args.cpu)
 MAX_LENGTH = 32
@@ -39,6 +41,7 @@ loader = DataLoader(data, batch_size=8, shuffle=True, drop_last=True)
 schedule = get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps * accelerator.num_processes)
 model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
 freezer = AutoFreezer(model, optimizer, total_steps=args.steps,  # finds the layers; the package's default policy
+                      settings=FreezeConfig(prior=args.prior),
                       cache=CacheConfig(enabled=True), cache_samples=len(data), cache_max_length=MAX_LENGTH)
 if freezer.at_start is not None:  # the prior: what froze before the first step, and why
     accelerator.print(f"step 0: the first {freezer.at_start['frozen_layers']} layers frozen "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForSequenceClassification
 
-from pipetransformer.config import CacheConfig
+from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezer
 from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -23,6 +23,8 @@ from pipetransformer.models.hf import load_tokenizer, minilm_path
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--rows", type=int, default=2000, help="training snippets")
+parser.add_argument("--prior", default="none", type=lambda value: int(value) if value.isdigit() else value,
+                    help="frozen before any evidence: none (the default), auto, embeddings or a layer count")
 args = parser.parse_args()
 if "RANK" in os.environ:  # started by torchrun
     dist.init_process_group("gloo")
@@ -36,6 +38,7 @@ if world > 1:
     model = DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
 freezer = AutoFreezer(model, optimizer, total_steps=args.steps,  # finds the layers; the package's default policy
+                      settings=FreezeConfig(prior=args.prior),
                       cache=CacheConfig(enabled=True), cache_samples=len(data), cache_max_length=MAX_LENGTH)
 if rank == 0 and freezer.at_start is not None:  # the prior: what froze before the first step, and why
     print(f"step 0: the first {freezer.at_start['frozen_layers']} layers frozen ({freezer.at_start['at_start']})")

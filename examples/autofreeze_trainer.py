@@ -13,7 +13,7 @@ import tempfile
 
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments, set_seed
 
-from pipetransformer.config import CacheConfig
+from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.data import SampleLimits, load_rotten_tomatoes
 from pipetransformer.integrations import AutoFreezeCallback
 from pipetransformer.models.hf import load_tokenizer, minilm_path
@@ -21,6 +21,8 @@ from pipetransformer.models.hf import load_tokenizer, minilm_path
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--rows", type=int, default=2000, help="training snippets")
+parser.add_argument("--prior", default="none", type=lambda value: int(value) if value.isdigit() else value,
+                    help="frozen before any evidence: none (the default), auto, embeddings or a layer count")
 args = parser.parse_args()
 MAX_LENGTH = 32
 data = load_rotten_tomatoes(load_tokenizer(minilm_path()), MAX_LENGTH, limits=SampleLimits(train=args.rows)).train
@@ -34,7 +36,7 @@ training = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=args.steps
                              ddp_backend="gloo" if "RANK" in os.environ else None,  # torchrun: CPU processes
                              average_tokens_across_devices=False)  # else a classifier's loss doubles under DDP
 trainer = Trainer(model=model, args=training, train_dataset=rows)
-autofreeze = AutoFreezeCallback.attach(trainer,  # bound to the trainer, so it reaches the DDP wrapper
+autofreeze = AutoFreezeCallback.attach(trainer, FreezeConfig(prior=args.prior),  # bound to the trainer: it reaches DDP
                                        cache=CacheConfig(enabled=True), cache_max_length=MAX_LENGTH)
 trainer.train()
 if trainer.is_world_process_zero():

@@ -150,19 +150,20 @@ class FreezeConfig:
     These fields own every freeze default: the Python API (``freeze.make_policy``) takes them by reference."""
 
     enabled: bool = False  # AutoFreeze
-    policy: Literal["coherence", "gradient", "geometric", "schedule", "random", "none"] = "coherence"  # coherence: freeze the layers whose gradient turned to noise; gradient: the paper's test
-    prior: int | Literal["auto", "none", "embeddings"] = "auto"  # frozen from the first step: auto = the embeddings and a third of the layers (rounded down) for pretrained weights, nothing for random init; k = the embeddings and the bottom k layers
+    policy: Literal["descent", "coherence", "gradient", "geometric", "schedule", "random", "none"] = "descent"  # descent: freeze the layers whose updates no longer lower the loss on new batches; coherence: whose gradient turned to noise; gradient: the paper's test
+    prior: int | Literal["auto", "none", "embeddings"] = "none"  # frozen from the first step: none; auto = the embeddings and a third of the layers (rounded down) for pretrained weights, nothing for random init; k = the embeddings and the bottom k layers
     interval: int | float = 0.05  # decision window length, in interval_unit (a fraction in (0, 1] for fraction)
     interval_unit: Literal["steps", "epochs", "fraction"] = "fraction"  # fraction: of the run's planned steps
     min_window_steps: int = 10  # interval_unit fraction: no window shorter than this many steps
     alpha: float = 1 / 3  # geometric and random policies: fraction of the remaining layers frozen per decision
+    descent_threshold: float = -1.0  # descent policy: a layer whose descent t-statistic stays below this for two windows (after the model learned) has stopped learning; lower freezes less
     threshold: float = 0.2  # coherence policy: a layer whose gradient coherence stays below this (after it learned) has converged
-    max_advance: int | None = 1  # coherence policy: at most this many more layers freeze per decision, each on its own evidence (null: no limit)
+    max_advance: int | None = None  # descent and coherence policies: at most this many more layers freeze per decision (null: every layer the test found stopped, within the caps)
     learned_by: Literal["any_layer", "layer"] = "any_layer"  # coherence policy: whose window of learning starts a layer's test (any layer's, or its own)
     learned_min_steps: int = 20  # coherence policy: steps of consecutive windows at or above threshold before a layer counts as having learned (two windows of the 10-step floor; a longer window counts alone)
     percentile: float = 50.0  # gradient policy threshold
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
-    evidence_max_fraction: float | None = 0.5  # coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
+    evidence_max_fraction: float | None = 0.5  # descent, coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
     max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 
@@ -183,7 +184,7 @@ class FreezeConfig:
         check_freeze_values(alpha=self.alpha, percentile=self.percentile, max_fraction=self.max_fraction,
                             evidence_max_fraction=self.evidence_max_fraction, max_change=self.max_change,
                             threshold=self.threshold, max_advance=self.max_advance, learned_by=self.learned_by,
-                            learned_min_steps=self.learned_min_steps)
+                            learned_min_steps=self.learned_min_steps, descent_threshold=self.descent_threshold)
         if self.policy == "schedule" and self.enabled and not self.schedule:
             raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
         previous: list[int] | None = None
@@ -199,8 +200,11 @@ class FreezeConfig:
 
 def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float | None,
                         evidence_max_fraction: float | None, max_change: float | None,
-                        threshold: float, max_advance: int | None, learned_by: str, learned_min_steps: int) -> None:
+                        threshold: float, max_advance: int | None, learned_by: str, learned_min_steps: int,
+                        descent_threshold: float = 0.0) -> None:
     """The freeze settings' ranges, checked once for the config and the Python API (``freeze.make_policy``)."""
+    if not math.isfinite(descent_threshold):
+        raise ConfigError(f"freeze.descent_threshold must be a finite number (a t-statistic), got {descent_threshold}")
     if not 0.0 < threshold < 1.0:
         raise ConfigError(f"freeze.threshold must be in (0, 1), got {threshold}")
     if max_advance is not None and max_advance < 1:

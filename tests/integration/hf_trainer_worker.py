@@ -123,8 +123,10 @@ def main() -> None:
                       compute_metrics=accuracy)
     probe = BucketProbe(trainer)
     trainer.add_callback(probe)
-    settings = FreezeConfig(interval=args.interval, interval_unit="steps", learned_min_steps=args.learned_min_steps,
-                            threshold=args.threshold)
+    # the Trainer's mechanics under test, with the coherence test of short windows (it freezes within 30 steps) and
+    # the prior of a third of the layers (recorded at step 0)
+    settings = FreezeConfig(policy="coherence", prior="auto", max_advance=1, interval=args.interval,
+                            interval_unit="steps", learned_min_steps=args.learned_min_steps, threshold=args.threshold)
     autofreeze = AutoFreezeCallback.attach(trainer, settings)
     restored = RestoredState(trainer, args.resume)
     trainer.add_callback(restored)

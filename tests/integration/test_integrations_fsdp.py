@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hf_text import LAYERS, TRAIN_ROWS, classification_batch, rotten_tomatoes, tiny_classifier
 from pipetransformer.config import CacheConfig, FreezeConfig
+from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights
 from pipetransformer.integrations import AutoFreezer
 from process_group import free_port, join, leave
 
@@ -55,12 +56,15 @@ def _train(wrapper: str, rank: int) -> dict[str, Any]:
     wrapped = _wrap(model, wrapper)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     freezer = AutoFreezer(wrapped, optimizer, settings=SETTINGS)
-    observed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # both signals (the geometric policy reads neither), every entry of the descents: exact sums to compare
+    freezer.previous_grads, freezer.previous_weights = PreviousGradients(), PreviousWeights(stride=1)
+    observed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     observe = freezer.policy.observe
 
-    def recording_observe(norms: Any, dots: Any) -> None:  # what the policy is given, after the all-reduce
-        observed.append((torch.tensor(norms), torch.tensor([math.nan if d is None else d for d in dots])))
-        observe(norms, dots)
+    def recording_observe(norms: Any, dots: Any, descents: Any) -> None:  # what the policy is given, all-reduced
+        observed.append((torch.tensor(norms), *(torch.tensor([math.nan if v is None else v for v in values])
+                                                for values in (dots, descents))))
+        observe(norms, dots, descents)
 
     freezer.policy.observe = recording_observe  # type: ignore[method-assign]
     records, counts, state_kept = [], [], None
@@ -115,9 +119,11 @@ def test_the_policy_sees_the_same_statistics_under_fsdp2_as_under_ddp(runs: dict
     ddp, fsdp = runs["ddp"], runs["fsdp"]
     assert len(fsdp["observed"]) == len(ddp["observed"]) == STEPS
     assert (fsdp["observed"][0][0] > 0).all()  # every layer has a gradient before the freeze
-    for step, ((ddp_norms, ddp_dots), (fsdp_norms, fsdp_dots)) in enumerate(zip(ddp["observed"], fsdp["observed"])):
-        torch.testing.assert_close(fsdp_norms, ddp_norms, rtol=1e-4, atol=1e-9, msg=f"step {step}")
-        torch.testing.assert_close(fsdp_dots, ddp_dots, rtol=1e-4, atol=1e-9, equal_nan=True, msg=f"step {step}")
+    for step, (ddp_step, fsdp_step) in enumerate(zip(ddp["observed"], fsdp["observed"])):
+        for name, ddp_value, fsdp_value in zip(("norms", "dots", "descents"), ddp_step, fsdp_step):
+            torch.testing.assert_close(fsdp_value, ddp_value, rtol=1e-4, atol=1e-9, equal_nan=True,
+                                       msg=f"{name}, step {step}")
+    assert not torch.isnan(ddp["observed"][-1][2]).all(), "the descents were measured"
     assert [r["frozen_layers"] for r in fsdp["records"]] == [EXPECTED_FROZEN]
     assert [r["step"] for r in fsdp["records"]] == [r["step"] for r in ddp["records"]]
 

@@ -33,7 +33,7 @@ def test_a_decision_freezes_the_leading_blocks_drops_them_from_the_optimizer_and
     freezer = _freezer(model)
     control = ControlVector.zeros(LAYERS)
     control.layer_grad_sq[:] = torch.tensor([4.0, 1.0, 9.0], dtype=torch.float64)
-    assert freezer.observe(control) == ([2.0, 1.0, 3.0], None)
+    assert freezer.observe(control) == ([2.0, 1.0, 3.0], None, None)
     assert freezer.update(1, 0, epoch_end=False, optimizer=optimizer) is None
     record = freezer.update(2, 0, epoch_end=False, optimizer=optimizer)
     assert record is not None and (record["step"], record["epoch"], record["frozen"]) == (2, 0, [0, 1])
@@ -56,13 +56,20 @@ def test_its_state_refreezes_a_fresh_model() -> None:
     assert [p.requires_grad for p in fresh.model.parameters()] == [p.requires_grad for p in model.parameters()]
 
 
-def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_can_freeze(
+def test_from_config_keeps_each_policys_signal_and_warns_when_nothing_can_freeze(
         caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.interval=50", "freeze.interval_unit=steps",
                                        "run.log_every=10"])
     with caplog.at_level(logging.WARNING):
         freezer = AutoFreeze.from_config(config, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=True)
-    assert freezer.previous_grads is not None, "coherence reads g_t . g_(t-1)"
+    assert freezer.previous_weights is not None, "descent (the default) reads -g_t . (w_t - w_(t-1))"
+    assert freezer.previous_grads is None, "and nothing else, unless every step is logged"
+    coherence = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=coherence", "run.log_every=10"])
+    freezer = AutoFreeze.from_config(coherence, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=False)
+    assert freezer.previous_grads is not None and freezer.previous_weights is None, "coherence reads g_t . g_(t-1)"
+    every_step = load_config(ROOT_CONFIG, ["freeze.enabled=true", "freeze.policy=geometric", "run.log_every=1"])
+    freezer = AutoFreeze.from_config(every_step, tiny_model(), planned_steps=100, steps_per_epoch=50, warn=False)
+    assert freezer.previous_grads is not None and freezer.previous_weights is not None, "both logged for replay"
     assert any("nothing will freeze" in r.getMessage() and "shorten freeze.interval" in r.getMessage()
                for r in caplog.records)
     caplog.clear()
@@ -78,7 +85,8 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
     assert any("nothing will freeze" in r.getMessage() and r.getMessage().endswith("shorten freeze.interval")
                for r in caplog.records)
     caplog.clear()
-    lasting = ["freeze.enabled=true", "freeze.interval=10", "freeze.interval_unit=steps", "freeze.learned_min_steps=1"]
+    lasting = ["freeze.enabled=true", "freeze.policy=coherence", "freeze.interval=10", "freeze.interval_unit=steps",
+               "freeze.learned_min_steps=1"]
     with caplog.at_level(logging.WARNING):  # 3 windows of 10 fit 35 steps; 20 steps of learning make it 4 windows
         AutoFreeze.from_config(load_config(ROOT_CONFIG, lasting), tiny_model(), planned_steps=35, steps_per_epoch=35,
                                warn=True)
@@ -92,8 +100,10 @@ def test_from_config_keeps_gradient_dots_for_coherence_and_warns_when_nothing_ca
 
 
 @pytest.mark.parametrize(("overrides", "embeddings", "layers"), [
-    ([], False, 0),  # tiny_text: random weights (model.hf_config), so auto freezes nothing
-    (["model.kind=minilm"], True, 1),  # pretrained weights: auto is the embeddings and a third of the 3 layers
+    ([], False, 0),  # the default, none
+    (["freeze.prior=auto"], False, 0),  # tiny_text: random weights (model.hf_config), so auto freezes nothing
+    (["model.kind=minilm"], False, 0),  # pretrained weights: the default is still none (the evidence decides)
+    (["model.kind=minilm", "freeze.prior=auto"], True, 1),  # auto: the embeddings and a third of the 3 layers
     (["freeze.prior=embeddings"], True, 0),
     (["freeze.prior=2"], True, 2),
     (["model.kind=minilm", "freeze.prior=none"], False, 0),

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, freeze_blocks
+from pipetransformer.freeze.apply import (DESCENT_SAMPLE_STRIDE, PreviousGradients, PreviousWeights, block_grad_sq_norms,
+                                          freeze_blocks)
 from pipetransformer.freeze.policies import frozen_blocks
 from pipetransformer.models.blocks import BlockSequence
 
@@ -210,3 +211,60 @@ def test_previous_gradients_give_each_blocks_dot_with_the_last_step_and_forget_f
     backward(model, 4)
     dots, valid = history.block_dots(model, range(2, len(model)))
     assert valid.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]  # its previous gradient is two steps old: not valid
+
+
+def flat_weights(model: BlockSequence) -> list[torch.Tensor]:
+    return [torch.cat([p.detach().reshape(-1).clone() for p in block.parameters()]) for block in model.blocks]
+
+
+def test_previous_weights_give_each_blocks_descent_of_the_last_update_on_this_batch() -> None:
+    """``-g_t . (w_t - w_{t-1})``: the previous update measured with the gradient of the batch after it, positive when
+    that update lowered this batch's loss to first order; frozen or moved blocks have none."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    history = PreviousWeights(stride=1)  # every entry: the exact dot product
+    everything = range(len(model))
+    backward(model, 0)
+    descents, valid = history.block_descents(model, everything)
+    assert torch.equal(valid, torch.zeros(len(model), dtype=torch.float64))  # no previous step yet
+    before = flat_weights(model)
+    optimizer.step()
+    gradients = backward(model, 0)  # the batch the update came from (the trainer's is the next one)
+    descents, valid = history.block_descents(model, everything)
+    assert valid.tolist() == [1.0] * len(model)
+    update = [after - earlier for after, earlier in zip(flat_weights(model), before)]
+    expected = torch.stack([-(g.double() * u.double()).sum() for g, u in zip(gradients, update)])
+    assert torch.allclose(descents, expected, rtol=1e-5)
+    assert float(descents.sum()) > 0, "a small SGD step lowers the loss of the batch it was computed on"
+    freeze_blocks(model, {0, 1}, None)
+    optimizer.step()
+    backward(model, 2)
+    descents, valid = history.block_descents(model, range(1, len(model)))  # this rank now holds blocks 1.. only
+    assert valid.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0] and descents[:2].tolist() == [0.0, 0.0]
+    backward(model, 3)
+    history.block_descents(model, range(3, len(model)))  # block 2 moved away, then comes back:
+    backward(model, 4)
+    _, valid = history.block_descents(model, range(2, len(model)))
+    assert valid.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]  # its previous weights are two steps old: not valid
+
+
+def test_the_sampled_descent_estimates_the_whole_dot_product() -> None:
+    """The default reads every 32nd entry and scales up: on a layer of realistic size, with an update partly aligned
+    with the next gradient, the estimate is within a few percent of the whole dot product."""
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 512)
+    model = BlockSequence(layer, [nn.Identity()], nn.Identity(), task="image")
+    update, gradient = torch.randn_like(layer.weight) * 1e-3, torch.randn_like(layer.weight)
+    gradient -= 50.0 * update  # the next batch's gradient opposes part of the update: a positive descent
+    history = PreviousWeights()
+    assert history.stride == DESCENT_SAMPLE_STRIDE
+    layer.weight.grad, layer.bias.grad = torch.zeros_like(layer.weight), None
+    layer.bias.requires_grad_(False)
+    history.block_descents(model, range(1))
+    with torch.no_grad():
+        layer.weight += update
+    layer.weight.grad = gradient
+    descents, valid = history.block_descents(model, range(1))
+    whole = -float((gradient.double() * update.double()).sum())
+    assert valid[0] == 1.0 and whole > 0
+    assert float(descents[0]) == pytest.approx(whole, rel=0.05)

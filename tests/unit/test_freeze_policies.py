@@ -63,16 +63,30 @@ def converging_dots(norms: Sequence[float], step: int) -> list[float]:
             for layer, n in enumerate(norms)]
 
 
+LEARNING_DESCENT = 1.0
+CONVERGED_DESCENT = -0.2
+DESCENT_NOISE = 0.05
+
+
+def converging_descents(step: int, num_layers: int = NUM_LAYERS) -> list[float]:
+    """Descents for the same trace: a converged layer's updates raise a new batch's loss a little (-0.2), a learning
+    layer's lower it (1.0), each with an alternating +-0.05 so a window of two steps or more has a spread."""
+    converged = step // STEPS_PER_CONVERGED_LAYER
+    noise = DESCENT_NOISE if step % 2 else -DESCENT_NOISE
+    return [(CONVERGED_DESCENT if layer < converged else LEARNING_DESCENT) + noise for layer in range(num_layers)]
+
+
 def run(
     policy: FreezePolicy, trace: Sequence[Sequence[float]], steps_per_epoch: int = 1, start: int = 0,
     dots: Sequence[Sequence[float | None]] | None = None,
 ) -> list[FreezeDecision | None]:
-    """Feed one row of gradient norms (and dot products: ``converging_dots`` unless given) per step; return the
-    decision after each step."""
+    """Feed one row of gradient norms (and dot products: ``converging_dots`` unless given, and
+    ``converging_descents``) per step; return the decision after each step."""
     decisions = []
     for offset, norms in enumerate(trace):
         step = start + offset
-        policy.observe(norms, converging_dots(norms, step) if dots is None else dots[offset])
+        policy.observe(norms, converging_dots(norms, step) if dots is None else dots[offset],
+                       converging_descents(step, len(norms)))
         decisions.append(policy.decide(step, step // steps_per_epoch, (step + 1) % steps_per_epoch == 0))
     return decisions
 
@@ -111,11 +125,14 @@ def test_geometric_with_epoch_windows_decides_only_at_every_interval_th_epoch_en
 def test_max_fraction_caps_every_policy() -> None:
     # Layers 0-3 stopped changing (ratios 0 0 0 0 .5 .5; the 75th percentile is .375), so the gradient
     # policy wants 4 layers; coherence wants the 3 whose gradients turned to noise by step 19; the others want all 6.
+    # descent, deciding over windows of two steps (one step has no spread), wants the 2 whose descents stayed
+    # negative for two windows after the first.
     trace = stable_bottom_trace(windows=20, stable=4)
-    wanted = {"gradient": 4, "coherence": 19 // STEPS_PER_CONVERGED_LAYER, "none": 0}
+    wanted = {"gradient": 4, "coherence": 19 // STEPS_PER_CONVERGED_LAYER, "descent": 2, "none": 0}
     for name in DECIDING_POLICIES:
         for max_fraction, cap in [(1 / 3, 2), (0.5, 3), (0.84, 5), (0.0, 0)]:
-            policy = build(name, alpha=1.0, percentile=75.0, max_fraction=max_fraction)
+            policy = build(name, alpha=1.0, percentile=75.0, max_fraction=max_fraction,
+                           interval=2 if name == "descent" else 1)
             counts = frozen_counts(run(policy, trace))
             assert max(counts) <= cap, (name, max_fraction)
             assert counts[-1] == min(cap, wanted.get(name, NUM_LAYERS)), (name, max_fraction)
@@ -236,7 +253,7 @@ def test_an_extra_call_reporting_the_epoch_end_counts_no_extra_step(name: str, u
     expected = run(once, trace, steps_per_epoch=steps_per_epoch)
     got: list[FreezeDecision | None] = []
     for step, norms in enumerate(trace, start=1):
-        twice.observe(norms, converging_dots(norms, step - 1))
+        twice.observe(norms, converging_dots(norms, step - 1), converging_descents(step - 1))
         epoch = (step - 1) // steps_per_epoch
         decision = twice.decide(step, epoch, False)
         if step % steps_per_epoch == 0:
@@ -289,7 +306,7 @@ def test_every_policy_is_monotone_and_capped(
     )
     previous: frozenset[int] = frozenset()
     for step, norms in enumerate(trace):
-        policy.observe(norms, converging_dots(norms, step))
+        policy.observe(norms, converging_dots(norms, step), converging_descents(step))
         decision = policy.decide(step, 0, False)
         assert policy.frozen >= previous
         if decision is not None:
@@ -761,7 +778,82 @@ def test_the_python_api_and_the_cli_build_the_same_default_freezer() -> None:
                                                                             settings.min_window_steps),
                            interval_unit="steps", seed=0, spent=[(step + 1) / total for step in range(total)])
     assert type(from_api) is type(from_cli)
-    for attribute in ("interval", "interval_unit", "max_frozen", "prior_layers", "threshold", "max_advance",
-                      "learned_by", "learned_min_steps"):
+    for attribute in ("interval", "interval_unit", "max_frozen", "evidence_cap", "prior_layers", "threshold",
+                      "max_advance"):
         assert getattr(from_api, attribute) == getattr(from_cli, attribute), attribute
     assert from_api.spent == pytest.approx(from_cli.spent)
+
+
+def descent_windows(means: Sequence[Sequence[float | None]], steps: int = 4, spread: float = 1.0,
+                    policy: FreezePolicy | None = None, **overrides: Any) -> tuple[FreezePolicy,
+                                                                                 list[FreezeDecision | None]]:
+    """Feed one window of ``steps`` steps per row of per-layer mean descents (each step the mean +- ``spread``,
+    alternating, so a window's t-statistic is ``mean / (spread * sqrt(steps / (steps - 1)) / sqrt(steps))``);
+    ``None``: no valid descent for that layer. Returns the policy and the decision after each window."""
+    policy = policy or build("descent", interval=steps, **{"max_advance": None, **overrides})
+    decisions = []
+    step = policy.steps_done
+    for row in means:
+        for offset in range(steps):
+            sign = 1.0 if offset % 2 == 0 else -1.0
+            policy.observe([1.0] * len(row), None, [None if m is None else m + sign * spread for m in row])
+            decision = policy.decide(step, 0, False)
+            step += 1
+        decisions.append(decision)
+    return policy, decisions
+
+
+LEARNING = [3.0] * NUM_LAYERS  # every layer's updates lower new batches' loss: t = 5.2 over 4 steps
+
+
+def test_descent_freezes_the_prefix_whose_updates_stopped_lowering_new_batches_loss() -> None:
+    stopped = [-1.0, -1.0, 2.0, -1.0, -1.0, -1.0]  # layer 2 still descends: it holds everything above it
+    policy, decisions = descent_windows([LEARNING, stopped, stopped])
+    assert decisions[:2] == [None, None] and decisions[2] is not None
+    assert decisions[2].frozen == frozenset({0, 1})
+    assert policy.last_window is not None
+    assert policy.last_window["reasons"] == ["freezes", "freezes", "descending", "above_learning", "above_learning",
+                                             "above_learning"]
+    t = policy.last_window["descent_t"]
+    assert t[0] == pytest.approx(-1.0 / (1.0 * math.sqrt(4 / 3) / 2)) and t[2] > 0
+
+
+def test_descent_needs_the_model_to_have_learned_and_two_windows_below() -> None:
+    below = [-1.0] * NUM_LAYERS
+    policy, decisions = descent_windows([below, below, below])  # the first steps look like noise too
+    assert not any(decisions) and not policy.learned
+    assert policy.last_window is not None and set(policy.last_window["reasons"]) == {"not_learned"}
+    assert "no layer's descent t ever reached 2.0" in policy.outcome()
+    policy, decisions = descent_windows([LEARNING, below, LEARNING, below])
+    assert not any(decisions), "one window below, then descending again: not stopped"
+    assert policy.last_window is not None and set(policy.last_window["reasons"]) == {"one_window_below"}
+    assert "kept lowering the loss on new batches" in policy.outcome()
+
+
+def test_descent_counts_a_layer_without_valid_descents_as_learning() -> None:
+    gap: list[float | None] = [None] + [-1.0] * (NUM_LAYERS - 1)
+    _, decisions = descent_windows([LEARNING, gap, gap])
+    assert not any(decisions), "layer 0 gave no evidence: nothing above it can freeze"
+
+
+def test_descent_evidence_grows_with_the_window() -> None:
+    """A small steady rise of the loss in noise ten times larger: a short window cannot tell it from noise (t = -0.2,
+    above the default threshold of -0.5), a long one can (t = -2); the same holds for a small steady descent, which
+    a long window finds learning where a coherence-like ratio of means would call it noise."""
+    small = [-0.1] * NUM_LAYERS
+    short, decisions = descent_windows([LEARNING, small, small], steps=4,
+                                       descent_threshold=FreezeConfig.descent_threshold)
+    assert not any(decisions)
+    long, decisions = descent_windows([LEARNING, small, small], steps=400,
+                                      descent_threshold=FreezeConfig.descent_threshold)
+    assert decisions[2] is not None and decisions[2].frozen == frozenset(range(NUM_LAYERS))
+    assert long.previous_t[0] == pytest.approx(-0.1 / (math.sqrt(400 / 399) / 20), rel=1e-6)
+
+
+def test_descent_keeps_to_the_evidence_cap_and_one_layer_a_window_by_default() -> None:
+    stopped = [-1.0] * NUM_LAYERS
+    policy, decisions = descent_windows([LEARNING, stopped, stopped, stopped, stopped, stopped],
+                                        max_advance=1, evidence_max_fraction=0.5)
+    assert [len(d.frozen) if d else 0 for d in decisions] == [0, 0, 1, 2, 3, 0]
+    assert policy.last_window is not None and policy.last_window["reasons"][3] == "held:evidence_max_fraction"
+    assert policy.outcome() == "3 of 6 layers frozen in 6 decision windows"

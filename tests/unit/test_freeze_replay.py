@@ -57,8 +57,9 @@ def test_replay_command_prints_decisions_with_overrides(tmp_path: Path, capsys: 
     run_dir = write_run(tmp_path / "run", 10)
     assert main(["replay", str(run_dir)]) == 0
     assert "step 4 (epoch 0): 2 layers frozen [0, 1]" in capsys.readouterr().out
-    assert main(["replay", str(run_dir), "--set", "freeze.policy=none"]) == 0  # --set reaches the policy
-    # the policy's own account of why (the run's model is pretrained: the prior froze a third of its 3 layers)
+    assert main(["replay", str(run_dir), "--set", "freeze.policy=none", "--set", "freeze.prior=auto"]) == 0
+    # --set reaches the policy, which gives its own account of why (the run's model is pretrained: the prior auto
+    # froze a third of its 3 layers)
     assert "nothing froze beyond the prior's 1 layer: freeze.policy is none" in capsys.readouterr().out
 
 

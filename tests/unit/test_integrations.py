@@ -18,6 +18,9 @@ VOCAB = 50
 WIDTH = 16
 
 
+AUTO_PRIOR = FreezeConfig(prior="auto")
+"""The prior of a third of a pretrained model's layers (the default until the descent test; the default freezes none)."""
+
 def _bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -105,7 +108,7 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     model = _bert()
     optimizer = torch.optim.AdamW(model.parameters())
     with caplog.at_level(logging.INFO, logger="pipetransformer.integrations.freezer"):
-        freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True)  # freeze.prior: auto
+        freezer = AutoFreezer(model, optimizer, total_steps=100, pretrained=True, settings=AUTO_PRIOR)
     # the start-up line says what froze and how each path turns the cache on (the Trainer's callback builds this too)
     assert "the embeddings and the bottom 1 layer frozen" in caplog.text
     assert "cache= with serving(indices), or AutoFreezeCallback.attach(trainer, cache=)" in caplog.text
@@ -118,8 +121,11 @@ def test_the_prior_freezes_a_pretrained_models_embeddings_and_a_third_of_its_lay
     assert not model.bert.embeddings.training and not model.bert.encoder.layer[0].training
     assert model.bert.encoder.layer[1].training
     assert freezer.at_start == {"step": 0, "frozen_layers": 1, "at_start": freezer.prior.describe()}
-    untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100)  # from_config: random
+    untouched = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100,
+                            settings=AUTO_PRIOR)  # from_config: random weights
     assert not untouched.prior.embeddings and untouched.at_start is None
+    default = AutoFreezer(_bert(), torch.optim.AdamW(_bert().parameters()), total_steps=100, pretrained=True)
+    assert not default.prior.embeddings and default.at_start is None, "the default prior freezes nothing"
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -164,7 +170,7 @@ def test_a_peft_lora_model_freezes_its_adapters_layer_by_layer(build: object, ad
     stack = find_layer_stack(wrapped)
     assert stack.layers == tuple(find_layer_stack(inner).layers) and len(stack) == 3
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad])
-    freezer = AutoFreezer(wrapped, optimizer, total_steps=100)  # freeze.prior: auto
+    freezer = AutoFreezer(wrapped, optimizer, total_steps=100, settings=AUTO_PRIOR)
     assert freezer.prior.layers == freezer.frozen_layers == 1  # pretrained, through the wrapper: a third of 3 layers
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     adapters = [n for n, p in wrapped.named_parameters() if "lora_" in n]
@@ -194,7 +200,7 @@ def test_a_layer_without_trainable_parameters_is_named_before_training(caplog: p
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     with caplog.at_level(logging.WARNING, logger="pipetransformer.integrations.freezer"):
         AutoFreezer(wrapped, torch.optim.AdamW(trainable), total_steps=100, pretrained=False)
-    assert "layer 0 has no trainable parameters, so the coherence test cannot find it converged" in caplog.text
+    assert "layer 0 has no trainable parameters, so the descent test cannot find it converged" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pipetransformer.integrations.freezer"):  # the fix it names
         freezer = AutoFreezer(wrapped, torch.optim.AdamW(trainable), total_steps=100,

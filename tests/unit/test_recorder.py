@@ -40,7 +40,7 @@ def _steps(recorder: RunRecorder, steps: range) -> None:
         timer = StepTimer(CPU)
         with timer.phase("forward"):
             pass
-        recorder.step(progress, StepResult(0.5, 1e-3, 0, [1.0] * LAYERS, None, False), 8, timer, PLAN, 0)
+        recorder.step(progress, StepResult(0.5, 1e-3, 0, [1.0] * LAYERS, None, None, False), 8, timer, PLAN, 0)
         recorder.samples(0, step, [step])
         if step % LOG_EVERY == 0:
             recorder.checkpoint({"step": step})

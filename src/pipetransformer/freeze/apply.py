@@ -13,8 +13,8 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["Blocks", "PreviousGradients", "block_grad_sq_norms", "drop_from_optimizer", "freeze_blocks", "local_part",
-           "pin_eval"]
+__all__ = ["Blocks", "PreviousGradients", "PreviousWeights", "block_grad_sq_norms", "drop_from_optimizer",
+           "freeze_blocks", "local_part", "pin_eval"]
 
 
 class Blocks(Protocol):
@@ -102,17 +102,21 @@ def block_grad_sq_norms(model: Blocks, blocks: range | None = None) -> torch.Ten
     """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
     0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
 
-    A sharded gradient (FSDP2's DTensor) counts its local shard only. Each tensor's norm in its own dtype (as
-    ``clip_grad_norm_`` does), summed over tensors in float64: converting every gradient to float64 first cost
-    ~80 ms per MiniLM step on one core, against ~12 ms, for a difference in the 4th significant digit that neither
-    clipping nor the freeze ratios can see.
+    One fused norm over every gradient (``torch._foreach_norm``, in each tensor's own dtype as ``clip_grad_norm_``
+    computes it), summed per block in float64, and one copy to the host: a per-tensor loop cost a few small ops per
+    parameter, which on a GPU are kernel launches. A sharded gradient (FSDP2's DTensor) counts its local shard only.
     """
     norms = torch.zeros(len(model), dtype=torch.float64)
-    with torch.no_grad():
-        for index in blocks if blocks is not None else range(len(model)):
-            grads = [p.grad for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
-            if grads:
-                norms[index] = sum(torch.linalg.vector_norm(local_part(g)).double().square() for g in grads)
+    grads, owners = [], []
+    for index in blocks if blocks is not None else range(len(model)):
+        for parameter in model.blocks[index].parameters():
+            if parameter.requires_grad and parameter.grad is not None:
+                grads.append(local_part(parameter.grad))
+                owners.append(index)
+    if grads:
+        with torch.no_grad():
+            squares = torch.stack(torch._foreach_norm(grads)).double().square().cpu()
+        norms.index_add_(0, torch.tensor(owners), squares)
     return norms
 
 
@@ -151,3 +155,69 @@ class PreviousGradients:
                     current[p] = grads[p].detach().clone() if buffer is None else buffer.copy_(grads[p])
         self._previous = current  # parameters without a gradient this step (frozen, moved away) are forgotten
         return dots, valid
+
+
+DESCENT_SAMPLE_STRIDE = 32
+"""The descent reads every 32nd entry of each parameter and scales the sum up: an unbiased estimate of the dot product
+over the whole tensor that touches one float per 64-byte cache line of the last step's weights, not all of them (a
+full copy, difference and product of MiniLM's weights, its 11.7M-entry token table included, took ~50 ms of a ~1 s
+step on one core). Over 60 steps of MiniLM on Rotten Tomatoes the sampled per-step descents correlated 0.990-0.996 with
+the full ones on every layer (0.94 on the embeddings, 0.97 on the head)."""
+
+
+class PreviousWeights:
+    """A sample of each block's trainable weights at the previous step (every ``DESCENT_SAMPLE_STRIDE``-th entry of each
+    parameter, concatenated), for the per-block descents the descent freeze policy reads: ``-g_t . (w_t - w_{t-1})``,
+    the first-order change of this batch's loss that the block's previous update made (positive: the update lowered
+    the loss on a batch it was not computed from), estimated from the sampled entries.
+
+    Per block a few fused ops (concatenate the samples, subtract, one dot product) and one copy of every block's
+    result to the host, however many parameters it has. A block whose parameters are not the ones it had at the
+    previous step (the first step, a step some got no gradient, a block that just arrived from another rank) has no
+    valid descent for that step. A sharded parameter (FSDP2) samples its local shard only: the ranks' descents sum to
+    an estimate of the whole one.
+    """
+
+    def __init__(self, stride: int = DESCENT_SAMPLE_STRIDE) -> None:
+        self.stride = stride
+        # block -> (its trainable parameters, their sampled weights concatenated, each sample's scale to the whole)
+        self._previous: dict[int, tuple[tuple[nn.Parameter, ...], torch.Tensor, torch.Tensor]] = {}
+
+    def _samples(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([local_part(tensor).reshape(-1)[::self.stride] for tensor in tensors])
+
+    def _scale(self, params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
+        """Each sample's weight in the estimate: its tensor's entries over its samples (the stride, or fewer)."""
+        counts = [local_part(p).numel() for p in params]
+        taken = [-(-count // self.stride) for count in counts]  # ceil: a slice keeps the first entry of each stride
+        return torch.cat([torch.full((n,), count / n, device=device) for count, n in zip(counts, taken)])
+
+    def block_descents(self, model: Blocks, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(descents, valid)``, both ``[len(model)]`` float64 on the host: per block in ``blocks``, the estimate of
+        the sum over its trainable parameters of ``-g_t . (w_t - w_{t-1})`` and 1 where it has one (else 0); then
+        remember this step's samples. Call it after the backward and before the optimizer steps."""
+        descents = torch.zeros(len(model), dtype=torch.float64)
+        valid = torch.zeros(len(model), dtype=torch.float64)
+        current: dict[int, tuple[tuple[nn.Parameter, ...], torch.Tensor, torch.Tensor]] = {}
+        measured: list[tuple[int, torch.Tensor]] = []
+        with torch.no_grad():
+            for index in blocks:
+                params = tuple(p for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None)
+                if not params:
+                    continue
+                weights = self._samples([p.detach() for p in params])
+                known = self._previous.get(index)
+                if known is not None and len(known[0]) == len(params) and all(
+                        a is b for a, b in zip(known[0], params)):
+                    _, before, scale = known
+                    gradients = self._samples([p.grad for p in params])
+                    measured.append((index, torch.dot(gradients * scale, before - weights)))
+                else:
+                    scale = self._scale(params, weights.device)
+                current[index] = (params, weights, scale)
+            if measured:
+                where = torch.tensor([index for index, _ in measured])
+                descents[where] = torch.stack([value for _, value in measured]).double().cpu()
+                valid[where] = 1.0
+        self._previous = current  # blocks without a gradient this step (frozen, moved away) are forgotten
+        return descents, valid

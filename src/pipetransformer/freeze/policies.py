@@ -36,6 +36,7 @@ __all__ = [
     "POLICY_NAMES",
     "FreezeDecision",
     "CoherencePolicy",
+    "DescentPolicy",
     "FreezePolicy",
     "GeometricPolicy",
     "GradientPolicy",
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 INTERVAL_UNITS = ("steps", "epochs", "fraction")
-POLICY_NAMES = ("coherence", "gradient", "geometric", "schedule", "random", "none")
+POLICY_NAMES = ("descent", "coherence", "gradient", "geometric", "schedule", "random", "none")
 PRIOR_AUTO, PRIOR_NONE, PRIOR_EMBEDDINGS = "auto", "none", "embeddings"
 PRETRAINED_PRIOR_SHARE = 1 / 3
 """What ``freeze.prior: auto`` freezes from the first step of a model loaded with pretrained weights: the embeddings
@@ -67,6 +68,7 @@ FROZEN_BEFORE, FREEZES = "frozen", "freezes"
 HELD_BY_BUDGET, HELD_BY_ADVANCE, HELD_BY_MAX_FRACTION = "held:budget", "held:max_advance", "held:max_fraction"
 HELD_BY_EVIDENCE_CAP = "held:evidence_max_fraction"
 NOT_LEARNED, LEARNING, ONE_WINDOW_BELOW, ABOVE_LEARNING = "not_learned", "learning", "one_window_below", "above_learning"
+DESCENDING = "descending"
 REASONS = {
     FROZEN_BEFORE: "frozen in an earlier window (or by the prior)",
     FREEZES: "converged: freezes in this window",
@@ -78,12 +80,16 @@ REASONS = {
     LEARNING: "its coherence is at or above the threshold: still learning",
     ONE_WINDOW_BELOW: "below the threshold in this window only (two in a row are needed)",
     ABOVE_LEARNING: "converged, but a layer below it is still learning (freezing is a prefix)",
+    DESCENDING: "its updates still lower the loss on new batches: descent t at or above the threshold",
 }
-"""The coherence policy's per-layer reason codes in each window's record, and what they mean."""
+"""The coherence and descent policies' per-layer reason codes in each window's record, and what they mean."""
 
 WINDOWS_BELOW = 2
-"""Coherence: consecutive windows below the threshold before a layer counts as converged (one window's estimate is
-noisy)."""
+"""Coherence and descent: consecutive windows below the threshold before a layer counts as converged (one window's
+estimate is noisy)."""
+LEARNING_T = 2.0
+"""Descent: the model has learned once some layer's mean descent over a window was this many standard errors above
+zero; before that, low descents mean learning has not started."""
 
 # Slack when turning ``max_fraction * L`` into a layer count, so 0.29 * 100 = 28.999... still gives 29.
 _FLOAT_SLACK = 1e-9
@@ -214,18 +220,15 @@ class FreezePolicy(ABC):
         """Decision windows of ``window_steps`` steps the policy needs before it can freeze anything."""
         return 1
 
-    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
-        """Record one optimizer step's per-layer gradient norms ``||g_t||`` and, where the previous step's gradient
-        of the layer is known, the dot products ``g_t . g_{t-1}`` (``None`` elsewhere); ``L`` values each,
-        frozen layers are ignored."""
-        if len(layer_grad_norms) != self.num_layers:
-            raise ValueError(
-                f"observe() needs one gradient norm per layer ({self.num_layers}), got {len(layer_grad_norms)}"
-            )
-        if layer_grad_dots is not None and len(layer_grad_dots) != self.num_layers:
-            raise ValueError(
-                f"observe() needs one gradient dot product per layer ({self.num_layers}), got {len(layer_grad_dots)}"
-            )
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None,
+                layer_descents: Sequence[float | None] | None = None) -> None:
+        """Record one optimizer step's per-layer gradient norms ``||g_t||`` and, where the layer's previous step is
+        known (``None`` elsewhere), the dot products ``g_t . g_{t-1}`` and the descents ``-g_t . (w_t - w_{t-1})``
+        (layer 0's counting the embeddings, which freeze with it); ``L`` values each, frozen layers are ignored."""
+        for name, values in (("gradient norm", layer_grad_norms), ("gradient dot product", layer_grad_dots),
+                             ("descent", layer_descents)):
+            if values is not None and len(values) != self.num_layers:
+                raise ValueError(f"observe() needs one {name} per layer ({self.num_layers}), got {len(values)}")
 
     def decide(self, step: int, epoch: int, epoch_end: bool) -> FreezeDecision | None:
         """Call after every optimizer step (``epoch_end`` on an epoch's last one); ``None`` means no change.
@@ -469,8 +472,9 @@ class GradientPolicy(FreezePolicy):
         self.window_steps = 0
         self.previous_mean: np.ndarray | None = None
 
-    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
-        super().observe(layer_grad_norms, layer_grad_dots)
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None,
+                layer_descents: Sequence[float | None] | None = None) -> None:
+        super().observe(layer_grad_norms, layer_grad_dots, layer_descents)
         self.window_sum += np.asarray(layer_grad_norms, dtype=np.float64)
         self.window_steps += 1
 
@@ -597,8 +601,9 @@ class CoherencePolicy(FreezePolicy):
         self.sq_sum = np.zeros(self.num_layers, dtype=np.float64)
         self.valid_steps = np.zeros(self.num_layers, dtype=np.int64)
 
-    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None) -> None:
-        super().observe(layer_grad_norms, layer_grad_dots)
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None,
+                layer_descents: Sequence[float | None] | None = None) -> None:
+        super().observe(layer_grad_norms, layer_grad_dots, layer_descents)
         if layer_grad_dots is None:
             raise ValueError("the coherence freeze policy needs per-layer gradient dot products: pass layer_grad_dots "
                              "(replay: a run logged with this version's metrics)")
@@ -725,6 +730,156 @@ class CoherencePolicy(FreezePolicy):
         self.steps_at_window_start = int(state.get("steps_at_window_start", self.steps_done))
 
 
+class DescentPolicy(FreezePolicy):
+    """Freeze the leading layers whose updates no longer lower the loss on new batches.
+
+    Per step and active layer, the descent ``d_t = -g_t . (w_t - w_{t-1})``: the first-order change of this step's
+    batch loss that the layer's previous update made, on a batch that update was not computed from (layer 0's counts
+    the embeddings, which freeze with it). Positive while the updates carry something that holds beyond their own
+    batches; negative once they are a random walk around a minimum, whose steps raise a new batch's loss through
+    the curvature. Per window, the t-statistic of the layer's mean descent ``T = mean(d) / (sd(d) / sqrt(n))``:
+    the evidence grows with the window, so a small steady descent (slow learning that adds up over hundreds of steps)
+    gives a large ``T`` while noise averages out. Unlike a gradient statistic, the descent counts what the optimizer
+    actually did with the gradient (its learning rate, per-layer scale and preconditioning), which is what freezing
+    takes away.
+
+    A layer has stopped learning when its ``T`` stays below ``threshold`` for two consecutive windows, after the model
+    has learned (a window in which some layer's ``T`` reached ``LEARNING_T``: the first steps, with a random head and
+    a learning rate near zero, say nothing). The layers below the first active layer that has not stopped freeze (a
+    layer still learning keeps itself and everything above it training), at most ``max_advance`` more per window,
+    within ``evidence_max_fraction`` of the layers (the top layers keep training) and ``max_fraction`` when set. No
+    learning-rate budget: the test itself says when a layer has nothing left to gain, early or late. Every window
+    records each layer's ``T`` and, per layer, why it froze or did not (``reasons``).
+    """
+
+    name = "descent"
+
+    def __init__(self, num_layers: int, *, threshold: float, max_advance: int | None,
+                 evidence_max_fraction: float | None = None, **common: Any) -> None:
+        super().__init__(num_layers, **common)
+        self._cap_evidence(evidence_max_fraction)
+        self.threshold = threshold
+        self.max_advance = max_advance
+        self.decisions = 0
+        self.windows_below = [0] * num_layers  # consecutive windows, up to the last, with T below the threshold
+        self.learned = False  # some layer's T reached LEARNING_T in a window that ended
+        self.previous_t: list[float | None] = [None] * num_layers
+        self._reset_window()
+
+    def windows_before_a_freeze(self, window_steps: int) -> int:
+        """One window of learning, then two below the threshold."""
+        return 1 + WINDOWS_BELOW
+
+    def _reset_window(self) -> None:
+        self.descent_sum = np.zeros(self.num_layers, dtype=np.float64)
+        self.descent_sq_sum = np.zeros(self.num_layers, dtype=np.float64)
+        self.valid_steps = np.zeros(self.num_layers, dtype=np.int64)
+
+    def observe(self, layer_grad_norms: Sequence[float], layer_grad_dots: Sequence[float | None] | None = None,
+                layer_descents: Sequence[float | None] | None = None) -> None:
+        super().observe(layer_grad_norms, layer_grad_dots, layer_descents)
+        if layer_descents is None:
+            raise ValueError("the descent freeze policy needs per-layer descents: pass layer_descents (replay: a run "
+                             "logged with run.log_every: 1 by this version)")
+        for layer, descent in enumerate(layer_descents):
+            if descent is not None:
+                self.descent_sum[layer] += descent
+                self.descent_sq_sum[layer] += descent * descent
+                self.valid_steps[layer] += 1
+
+    def window_t(self) -> list[float | None]:
+        """Each layer's descent t-statistic over the window so far (``None`` with fewer than two valid steps; 0 when
+        every step's descent was the same, e.g. zero)."""
+        values: list[float | None] = []
+        for total, squares, count in zip(self.descent_sum, self.descent_sq_sum, self.valid_steps):
+            if count < 2:
+                values.append(None)
+                continue
+            mean = total / count
+            variance = max(squares - count * mean * mean, 0.0) / (count - 1)
+            values.append(float(mean / math.sqrt(variance / count)) if variance > 0 else 0.0)
+        return values
+
+    def _propose(self, window_end: bool) -> tuple[frozenset[int], dict[str, Any]] | None:
+        if not window_end:
+            return None
+        t_values = self.window_t()
+        self.previous_t = t_values
+        self._reset_window()
+        learned_before = self.learned
+        self.learned = learned_before or any(t is not None and t >= LEARNING_T for t in t_values)
+        # NaN (divergence) compares False: not below, so the layer keeps training
+        self.windows_below = [below + 1 if t is not None and t < self.threshold else 0
+                              for below, t in zip(self.windows_below, t_values)]
+        active = [i for i in range(self.num_layers) if i not in self.frozen]
+        if not active:
+            return None
+        self.decisions += 1
+
+        def stopped(layer: int) -> bool:
+            return learned_before and self.windows_below[layer] >= WINDOWS_BELOW
+
+        candidate = next((i for i in active if not stopped(i)), self.num_layers)
+        bound = min(self.num_layers, self.evidence_cap)
+        advance_limit = self.num_layers
+        details: dict[str, Any] = {"decision_index": self.decisions, "descent_t": t_values,
+                                   "threshold": self.threshold, "candidate": candidate, "bound": bound,
+                                   "spent": self.spent_share(), "cap": self.max_frozen,
+                                   "evidence_cap": self.evidence_cap}
+        if self.max_advance is not None:
+            advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
+        target = self._bounded_prefix(min(candidate, advance_limit), bound)
+        holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_ADVANCE: advance_limit,
+                 HELD_BY_MAX_FRACTION: self.max_frozen}
+        reasons = []
+        for layer, t in enumerate(t_values):
+            if layer in self.frozen:
+                reasons.append(FROZEN_BEFORE)
+            elif layer in target:
+                reasons.append(FREEZES)
+            elif layer < candidate:  # stopped, held back by the first bound it exceeds
+                reasons.append(next(code for code, limit in holds.items() if layer >= limit))
+            elif stopped(layer):
+                reasons.append(ABOVE_LEARNING)
+            elif t is None or not t < self.threshold:
+                reasons.append(DESCENDING)
+            else:
+                reasons.append(ONE_WINDOW_BELOW if learned_before else NOT_LEARNED)
+        details["reasons"] = reasons
+        return target, details
+
+    def outcome(self) -> str:
+        """Why nothing froze, in the test's terms: the bottom layer above the prior must stop descending first."""
+        if len(self.frozen) > self.prior_layers or min(self.max_frozen, self.evidence_cap) <= self.prior_layers:
+            return super().outcome()
+        needed = self.windows_before_a_freeze(1)
+        if self.windows_done < needed:
+            return (f"{super().outcome()}: the descent test needs {needed} windows (one to learn, two below the "
+                    "threshold); shorten freeze.interval (or freeze.min_window_steps)")
+        if not self.learned:
+            return (f"{super().outcome()}: no layer's descent t ever reached {LEARNING_T} (the model did not start "
+                    "learning, or its updates are mostly noise)")
+        return (f"{super().outcome()}: layer {self.prior_layers}'s updates kept lowering the loss on new batches "
+                f"(its descent t never stayed below {self.threshold} for two windows in a row)")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(decisions=self.decisions, descent_sum=self.descent_sum.tolist(),
+                     descent_sq_sum=self.descent_sq_sum.tolist(), valid_steps=self.valid_steps.tolist(),
+                     windows_below=self.windows_below, learned=self.learned, previous_t=self.previous_t)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.decisions = int(state["decisions"])
+        self.descent_sum = np.asarray(state["descent_sum"], dtype=np.float64)
+        self.descent_sq_sum = np.asarray(state["descent_sq_sum"], dtype=np.float64)
+        self.valid_steps = np.asarray(state["valid_steps"], dtype=np.int64)
+        self.windows_below = [int(count) for count in state["windows_below"]]
+        self.learned = bool(state["learned"])
+        self.previous_t = list(state["previous_t"])
+
+
 def _change_ratio(previous: float, current: float) -> float:
     """``|g_prev - g_cur| / g_prev``; a layer with no gradient in both windows has not changed at all."""
     if previous == 0.0:
@@ -768,6 +923,7 @@ def make_policy(
     max_advance: int | None = FreezeConfig.max_advance,
     learned_by: str = FreezeConfig.learned_by,
     learned_min_steps: int = FreezeConfig.learned_min_steps,
+    descent_threshold: float = FreezeConfig.descent_threshold,
     prior_layers: int = 0,
     spent: Sequence[float] | None = None,
 ) -> FreezePolicy:
@@ -789,13 +945,17 @@ def make_policy(
                          f"into steps with window_steps first), got {interval_unit!r}")
     check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction,
                         evidence_max_fraction=evidence_max_fraction, max_change=max_change, threshold=threshold,
-                        max_advance=max_advance, learned_by=learned_by, learned_min_steps=learned_min_steps)
+                        max_advance=max_advance, learned_by=learned_by, learned_min_steps=learned_min_steps,
+                        descent_threshold=descent_threshold)
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     if not 0 <= prior_layers < num_layers:
         raise ValueError(f"prior_layers must be in 0..{num_layers - 1}, got {prior_layers}")
     common: dict[str, Any] = {"interval": interval, "interval_unit": interval_unit, "max_fraction": max_fraction,
                               "prior_layers": prior_layers, "spent": spent}
+    if name == "descent":
+        return DescentPolicy(num_layers, threshold=descent_threshold, max_advance=max_advance,
+                             evidence_max_fraction=evidence_max_fraction, **common)
     if name == "coherence":
         return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance, learned_by=learned_by,
                                learned_min_steps=learned_min_steps, evidence_max_fraction=evidence_max_fraction,
@@ -843,5 +1003,6 @@ def policy_from_settings(settings: FreezeConfig, num_layers: int, *, seed: int, 
                        schedule=settings.schedule,
                        max_change=settings.max_change, threshold=settings.threshold,
                        max_advance=settings.max_advance, learned_by=settings.learned_by,
-                       learned_min_steps=settings.learned_min_steps, seed=seed,
+                       learned_min_steps=settings.learned_min_steps, descent_threshold=settings.descent_threshold,
+                       seed=seed,
                        prior_layers=prior_layers if enabled else 0, spent=spent_shares(rates))

@@ -1,8 +1,8 @@
 """Replay a finished run's per-step gradient norms through a freeze policy, offline.
 
 Freeze settings (window length, ``alpha``, ``threshold``, ``percentile``, ``max_change``) are tuned far faster
-this way than by training: a policy only ever sees per-layer gradient statistics (norms, and the dot products
-of consecutive gradients), which a run logs with every step record of ``metrics.jsonl`` (``run.log_every: 1``). The replay is exact for a run that froze
+this way than by training: a policy only ever sees per-layer gradient statistics (norms, the dot products
+of consecutive gradients, and the descents ``-g_t . (w_t - w_{t-1})``), which a run logs with every step record of ``metrics.jsonl`` (``run.log_every: 1``). The replay is exact for a run that froze
 nothing (a baseline): once layers freeze, every later gradient depends on that freeze.
 """
 
@@ -31,6 +31,7 @@ class LoggedStep:
     epoch: int
     layer_grad_norms: list[float]
     layer_grad_dots: list[float | None] | None = None  # logged when run.log_every is 1 (or the policy needs them)
+    layer_descents: list[float | None] | None = None  # likewise
 
 
 def read_logged_steps(metrics_path: Path) -> list[LoggedStep]:
@@ -46,9 +47,10 @@ def read_logged_steps(metrics_path: Path) -> list[LoggedStep]:
                     f"{metrics_path.parent} froze layers at step {record['step']}, and every later gradient depends on "
                     "that: replay a run that froze nothing (a ddp or no_freeze baseline)")
             if record.get("event") == STEP_EVENT and "layer_grad_norms" in record:
-                dots = record.get("layer_grad_dots")
+                dots, descents = record.get("layer_grad_dots"), record.get("layer_descents")
                 steps.append(LoggedStep(int(record["step"]), int(record["epoch"]), list(record["layer_grad_norms"]),
-                                        None if dots is None else list(dots)))
+                                        None if dots is None else list(dots),
+                                        None if descents is None else list(descents)))
     if not steps:
         raise ReplayError(f"{metrics_path} has no step records with gradient norms: rerun with --set run.log_every=1")
     gaps = [b.step for a, b in zip(steps, steps[1:]) if b.step != a.step + 1]
@@ -63,7 +65,7 @@ def replay(policy: FreezePolicy, steps: Sequence[LoggedStep]) -> list[FreezeDeci
     """Feed ``steps`` to ``policy`` as the trainer does (observe, decide; once more at each epoch's end)."""
     decisions: list[FreezeDecision] = []
     for index, logged in enumerate(steps):
-        policy.observe(logged.layer_grad_norms, logged.layer_grad_dots)
+        policy.observe(logged.layer_grad_norms, logged.layer_grad_dots, logged.layer_descents)
         decision = policy.decide(logged.step, logged.epoch, epoch_end=False)
         if decision is not None:
             decisions.append(decision)

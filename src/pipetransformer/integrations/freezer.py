@@ -1,8 +1,8 @@
 """AutoFreeze for a plain PyTorch loop: observe each step's per-layer gradients, decide with the package's freeze
 policy, and freeze the converged leading layers of the user's own model, optimizer and DDP wrapper.
 
-The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2`` and ``g_t . g_{t-1}`` from
-``freeze.apply``, all-reduced in a ``train.control.ControlVector`` so every rank takes the same decision, the
+The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2`` and the policy's signal (the descent
+``-g_t . (w_t - w_{t-1})``, or ``g_t . g_{t-1}`` for the coherence test) from ``freeze.apply``, all-reduced in a ``train.control.ControlVector`` so every rank takes the same decision, the
 policy built by ``freeze.policies.policy_from_settings`` from ``config.FreezeConfig`` (its defaults unless the
 caller passes settings). A decision freezes the layers' parameters (``requires_grad`` off, out of the optimizer,
 every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
@@ -29,8 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from pipetransformer.config import CacheConfig, FreezeConfig
-from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms, drop_from_optimizer, pin_eval
-from pipetransformer.freeze.policies import (UNWINDOWED, CoherencePolicy, FreezePrior, GradientPolicy,
+from pipetransformer.freeze.apply import (PreviousGradients, PreviousWeights, block_grad_sq_norms, drop_from_optimizer,
+                                          pin_eval)
+from pipetransformer.freeze.policies import (UNWINDOWED, CoherencePolicy, DescentPolicy, FreezePrior, GradientPolicy,
                                              frozen_prefix_layers, policy_from_settings, resolve_prior)
 from pipetransformer.integrations.cache import PrefixServer
 from pipetransformer.integrations.ddp import check_droppable, drop_frozen_from_ddp
@@ -85,6 +86,31 @@ def _optimizer_steps_now(optimizer: Any) -> bool:
     return getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True)
 
 
+class _ParameterGroup:
+    """Parameters judged as one unit (a block of ``freeze.apply``'s statistics)."""
+
+    def __init__(self, parameters: Sequence[nn.Parameter]) -> None:
+        self._parameters = list(parameters)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(self._parameters)
+
+
+class _DescentUnits:
+    """What the descent test judges, one unit per layer: layer 0 with the embedding parameters that freeze with it
+    (a tied table, which keeps training, is not one of them), then each other layer."""
+
+    def __init__(self, stack: LayerStack) -> None:
+        self.stack = stack
+
+    @property
+    def blocks(self) -> Sequence[Any]:
+        return [_ParameterGroup(self.stack.prefix(1, embeddings=True)[0]), *self.stack.layers[1:]]
+
+    def __len__(self) -> int:
+        return len(self.stack)
+
+
 class AutoFreezer:
     """Freezes the converged leading layers of ``model`` while a plain loop trains it.
 
@@ -97,9 +123,10 @@ class AutoFreezer:
     before it steps. What froze before the first step (the prior) is recorded in ``at_start``.
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
     ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
-    evidence may freeze by each step. ``settings`` are ``FreezeConfig`` fields (its defaults otherwise; ``enabled``
-    is ignored). Its ``prior`` freezes the embeddings and a third of the layers from the first step for pretrained
-    weights: ``pretrained`` says whether they are (default: a Hugging Face model loaded with ``from_pretrained``,
+    the coherence and gradient tests may freeze by each step (the default descent test has no budget). ``settings``
+    are ``FreezeConfig`` fields (its defaults otherwise; ``enabled`` is ignored). A ``prior`` of ``auto`` freezes the
+    embeddings and a third of the layers from the first step for pretrained weights (the default prior freezes
+    nothing): ``pretrained`` says whether they are (default: a Hugging Face model loaded with ``from_pretrained``,
     which records its path).
     ``cache`` (``CacheConfig`` with ``enabled``) keeps the frozen layers' output per sample for the forwards run
     inside :meth:`serving`; it needs ``cache_samples`` (the dataset's size) and, for text, ``cache_max_length``
@@ -135,7 +162,10 @@ class AutoFreezer:
         self.prior: FreezePrior = resolve_prior(self.settings.prior, len(self.stack), pretrained=pretrained)
         self.policy = policy_from_settings(self.settings, len(self.stack), seed=seed, total_steps=total_steps or 1,
                                            prior_layers=self.prior.layers, learning_rates=learning_rates)
-        self.previous_grads = PreviousGradients()
+        # each policy's signal, and only what it reads
+        self.previous_grads = PreviousGradients() if isinstance(self.policy, CoherencePolicy) else None
+        self.previous_weights = PreviousWeights() if isinstance(self.policy, DescentPolicy) else None
+        self._units = _DescentUnits(self.stack)
         self._device = next(p for layer in self.stack.layers for p in layer.parameters()).device  # the model's
         self.frozen_layers = 0
         self._frozen_modules: set[int] = set()
@@ -182,7 +212,7 @@ class AutoFreezer:
     def _warn_if_evidence_is_blocked(self) -> None:
         """A layer without trainable parameters (LoRA's ``layers_to_transform`` leaves some without adapters) gives
         the gradient tests nothing to judge, so they never freeze it nor anything above it: say so before training."""
-        if not isinstance(self.policy, (CoherencePolicy, GradientPolicy)) or (dist.is_initialized() and
+        if not isinstance(self.policy, (CoherencePolicy, DescentPolicy, GradientPolicy)) or (dist.is_initialized() and
                                                                             dist.get_rank()):
             return
         start = frozen_prefix_layers(self.policy.frozen)
@@ -206,12 +236,21 @@ class AutoFreezer:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if rank0 or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
             control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
-            dots, valid = self.previous_grads.block_dots(self.stack, layers)
-            control.layer_grad_dots[:] = dots
-            if rank0:  # every rank's shards had a previous gradient at the same steps: one rank says which
-                control.layer_dot_valid[:] = valid
+            # every rank's shards had a previous step at the same steps: one rank says which are valid
+            if self.previous_grads is not None:
+                dots, valid = self.previous_grads.block_dots(self.stack, layers)
+                control.layer_grad_dots[:] = dots
+                if rank0:
+                    control.layer_dot_valid[:] = valid
+            if self.previous_weights is not None:
+                descents, valid = self.previous_weights.block_descents(self._units, layers)
+                control.layer_descents[:] = descents
+                if rank0:
+                    control.layer_descent_valid[:] = valid
         control = control.all_reduce(device=self._device)
-        self.policy.observe(control.layer_grad_norms(), control.layer_dots())
+        self.policy.observe(control.layer_grad_norms(),
+                            control.layer_dots() if self.previous_grads is not None else None,
+                            control.descents() if self.previous_weights is not None else None)
         decision = self.policy.decide(self.steps, 0, epoch_end=False)
         self.steps += 1
         if decision is None:

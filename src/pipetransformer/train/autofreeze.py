@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from pipetransformer.config import UNWINDOWED, Config, ConfigError
-from pipetransformer.freeze.apply import PreviousGradients, freeze_blocks
+from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, freeze_blocks
 from pipetransformer.freeze.policies import (FreezeDecision, FreezePolicy, FreezePrior, frozen_blocks,
                                              frozen_prefix_layers, policy_from_settings, resolve_prior)
 from pipetransformer.optim import lr_at
@@ -28,18 +28,21 @@ logger = logging.getLogger(__name__)
 EPOCHS = "epochs"
 FRACTION = "fraction"
 COHERENCE = "coherence"
+DESCENT = "descent"
 
 
 class AutoFreeze:
     """The freeze policy of a run and what it acts on."""
 
-    def __init__(self, policy: FreezePolicy, model: BlockSequence, *, gradient_dots: bool,
+    def __init__(self, policy: FreezePolicy, model: BlockSequence, *, gradient_dots: bool, descents: bool = False,
                  prior: FreezePrior | None = None) -> None:
         self.policy = policy
         self.model = model
         self.prior = prior or FreezePrior(False, 0, "no prior given")
-        # g_t . g_{t-1} per layer: the coherence policy's signal (and logged for replay when every step is).
+        # g_t . g_{t-1} per layer: the coherence policy's signal; -g_t . (w_t - w_{t-1}): the descent policy's. Each
+        # is also computed, and logged for replay, when every step is logged.
         self.previous_grads = PreviousGradients() if gradient_dots else None
+        self.previous_weights = PreviousWeights() if descents else None
         self._apply(None)  # the prior, before the optimizer is built
 
     @classmethod
@@ -71,8 +74,9 @@ class AutoFreeze:
                                "freeze; %s", needed, steps, remedy)
         if warn and f.enabled and prior.embeddings:
             logger.info("freeze: %s", prior.describe())
-        return cls(policy, model, gradient_dots=policy.name == COHERENCE or config.run.log_every == 1,
-                   prior=prior if f.enabled else FreezePrior(False, 0, "freeze.enabled: false"))
+        every_step = config.run.log_every == 1
+        return cls(policy, model, gradient_dots=policy.name == COHERENCE or every_step,
+                   descents=policy.name == DESCENT or every_step, prior=prior if f.enabled else FreezePrior(False, 0, "freeze.enabled: false"))
 
     @property
     def frozen(self) -> frozenset[int]:
@@ -96,12 +100,15 @@ class AutoFreeze:
         if blocks:
             freeze_blocks(self.model, blocks, optimizer.optimizer if optimizer is not None else None)
 
-    def observe(self, control: ControlVector) -> tuple[list[float], list[float | None] | None]:
-        """Feed one step's all-reduced statistics to the policy; returns them (norms, dot products) for the record."""
+    def observe(self, control: ControlVector) -> tuple[list[float], list[float | None] | None,
+                                                       list[float | None] | None]:
+        """Feed one step's all-reduced statistics to the policy; returns them (norms, dot products, descents) for the
+        record."""
         norms = control.layer_grad_norms()
         dots = control.layer_dots() if self.previous_grads is not None else None
-        self.policy.observe(norms, dots)
-        return norms, dots
+        descents = control.descents() if self.previous_weights is not None else None
+        self.policy.observe(norms, dots, descents)
+        return norms, dots, descents
 
     def update(self, step: int, epoch: int, epoch_end: bool, optimizer: HeldOptimizer) -> dict[str, Any] | None:
         """Decide after an optimizer step (``epoch_end`` once more after an epoch's last); a new frozen set is

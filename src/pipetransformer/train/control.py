@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetransformer.freeze.apply import PreviousGradients, block_grad_sq_norms
+from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, block_grad_sq_norms
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.elastic import Placement
 
@@ -37,6 +37,8 @@ class ControlVector:
     layer_grad_sq: torch.Tensor  # [L] squared gradient norm of each transformer layer
     layer_grad_dots: torch.Tensor  # [L] g_t . g_{t-1} of each layer (0 where not valid)
     layer_dot_valid: torch.Tensor  # [L] 1 where the layer's dot product is valid
+    layer_descents: torch.Tensor  # [L] -g_t . (w_t - w_{t-1}) of each layer, layer 0's with the embeddings' (0 where not valid)
+    layer_descent_valid: torch.Tensor  # [L] 1 where the layer's descent is valid
     total_grad_sq: torch.Tensor  # [1] squared norm of every trainable gradient (embeddings and head included)
     stop_requests: torch.Tensor  # [1] ranks that received SIGTERM or SIGINT
     interrupt_requests: torch.Tensor  # [1] ranks whose stop request was a SIGINT (Ctrl-C): the run exits 130
@@ -44,7 +46,8 @@ class ControlVector:
 
     @classmethod
     def zeros(cls, num_layers: int) -> ControlVector:
-        shapes = {"layer_grad_sq": num_layers, "layer_grad_dots": num_layers, "layer_dot_valid": num_layers}
+        shapes = {name: num_layers for name in ("layer_grad_sq", "layer_grad_dots", "layer_dot_valid", "layer_descents",
+                                                "layer_descent_valid")}
         return cls(**{f.name: torch.zeros(shapes.get(f.name, 1), dtype=torch.float64) for f in fields(cls)})
 
     def all_reduce(self, device: torch.device | None = None) -> ControlVector:
@@ -64,6 +67,22 @@ class ControlVector:
     def layer_dots(self) -> list[float | None]:
         """Per layer, the dot product where it is valid, else None."""
         return [float(d) if v > 0 else None for d, v in zip(self.layer_grad_dots, self.layer_dot_valid)]
+
+    def descents(self) -> list[float | None]:
+        """Per layer, the descent where it is valid, else None."""
+        return [float(d) if v > 0 else None for d, v in zip(self.layer_descents, self.layer_descent_valid)]
+
+    def set_descents(self, block_descents: torch.Tensor, block_valid: torch.Tensor, num_layers: int, *,
+                     embeddings_incomplete: bool) -> None:
+        """This rank's per-block descents (embeddings, layers, head) as the policy reads them: layer 0's counts the
+        embeddings, which freeze with it. ``embeddings_incomplete``: this rank's embeddings train but had no previous
+        step, so it vetoes layer 0's descent for this step (-1 in the sum of valid flags, which may come from the
+        rank holding layer 0)."""
+        self.layer_descents[:] = block_descents[1:num_layers + 1]
+        self.layer_descents[0] += block_descents[0]
+        self.layer_descent_valid[:] = block_valid[1:num_layers + 1]
+        if embeddings_incomplete:
+            self.layer_descent_valid[0] = -1.0
 
     def total_grad_norm(self) -> float:
         return math.sqrt(float(self.total_grad_sq))
@@ -90,7 +109,8 @@ class ControlVector:
 
 
 def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.Tensor, *, stop: bool,
-                   previous_grads: PreviousGradients | None, interrupt: bool = False) -> ControlVector:
+                   previous_grads: PreviousGradients | None, previous_weights: PreviousWeights | None = None,
+                   interrupt: bool = False) -> ControlVector:
     """This rank's share of the step's control vector, summed over the world (every rank must call).
     ``interrupt``: this rank's stop request came from SIGINT."""
     layers = model.num_layers
@@ -106,6 +126,11 @@ def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.T
             dots, valid = previous_grads.block_dots(model, range(max(start, 1), min(end, layers + 1)))
             control.layer_grad_dots[:] = dots[1:layers + 1]
             control.layer_dot_valid[:] = valid[1:layers + 1]
+        if previous_weights is not None:  # the embeddings too: their descent counts in layer 0's
+            start, end = placement.blocks
+            descents, valid = previous_weights.block_descents(model, range(start, min(end, layers + 1)))
+            embeddings_train = start == 0 and any(p.requires_grad for p in model.blocks[0].parameters())
+            control.set_descents(descents, valid, layers, embeddings_incomplete=embeddings_train and valid[0] == 0)
     if placement.last_stage:
         control.loss[0] = loss_sum
     return control.all_reduce()

@@ -125,6 +125,8 @@ class RunRecorder:
                   **timer.as_record()}
         if result.layer_grad_dots is not None:
             record["layer_grad_dots"] = result.layer_grad_dots
+        if result.layer_descents is not None:
+            record["layer_descents"] = result.layer_descents
         cache = self.cache_metrics()
         if cache is not None:
             record.update({"cache_hit_rate": cache.hit_rate, "cache_memory_bytes": cache.memory_used_bytes,

@@ -56,6 +56,7 @@ class StepResult:
     allreduce_bytes: int  # this rank's share of the gradient sync
     layer_grad_norms: list[float]
     layer_grad_dots: list[float | None] | None  # None unless the coherence signal is computed
+    layer_descents: list[float | None] | None  # None unless the descent signal is computed
     stop_requested: bool  # some rank got SIGTERM or SIGINT: checkpoint and stop
     interrupted: bool = False  # some rank's stop request was a SIGINT (Ctrl-C)
 

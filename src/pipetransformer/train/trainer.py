@@ -165,12 +165,13 @@ class Trainer:
         with timer.phase("control"):
             control = gather_control(self.model, placement, loss_sum, stop=self.stop_signals.received is not None,
                                      interrupt=self.stop_signals.received == signal.SIGINT,
-                                     previous_grads=self.freezer.previous_grads)
+                                     previous_grads=self.freezer.previous_grads,
+                                     previous_weights=self.freezer.previous_weights)
         control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
             self.optimizer.step(lr, control.total_grad_norm())
-        norms, dots = self.freezer.observe(control)
-        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, control.stop_requested,
+        norms, dots, descents = self.freezer.observe(control)
+        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, descents, control.stop_requested,
                           control.interrupted)
 
     def _freeze(self, epoch_end: bool) -> None:

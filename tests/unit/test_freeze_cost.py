@@ -1,0 +1,124 @@
+"""What the freezer's statistics cost a step: a fixed number of ops per block, however many parameters it has, and
+(on CUDA) a fixed number of host syncs. A per-parameter loop of small ops is cheap on two CPU cores and a kernel
+launch each on a GPU, where steps take milliseconds."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipetransformer.freeze.apply import PreviousWeights, block_grad_sq_norms
+from pipetransformer.models.blocks import BlockSequence
+
+WIDTH = 64
+LAYERS = 3
+BATCH = 8
+
+
+class ComputeOps(TorchDispatchMode):
+    """Counts the aten ops that compute (views and aliases are metadata: no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Split(nn.Module):
+    """A layer of ``parts`` linear maps side by side: the same width, ``2 * parts`` parameters."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(nn.Linear(WIDTH, WIDTH // parts) for _ in range(parts))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(torch.cat([part(hidden) for part in self.parts], dim=-1)),)
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, 2)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.out(hidden),)
+
+
+def model_of(parts: int) -> BlockSequence:
+    torch.manual_seed(0)
+    return BlockSequence(Split(parts), [Split(parts) for _ in range(LAYERS)], Head(), task="image")
+
+
+def a_step(model: BlockSequence, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(torch.randn(BATCH, WIDTH))[0].square().mean().backward()
+
+
+def statistics_ops(parts: int) -> Counter[str]:
+    """The ops of one step's statistics (squared norms and descents of every block), after a first step set the
+    previous samples."""
+    model = model_of(parts)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    history = PreviousWeights()
+    blocks = range(len(model))
+    a_step(model, optimizer)
+    history.block_descents(model, blocks)
+    optimizer.step()
+    a_step(model, optimizer)
+    with ComputeOps() as ops:
+        block_grad_sq_norms(model, blocks)
+        history.block_descents(model, blocks)
+    return ops.counts
+
+
+def test_the_statistics_cost_a_fixed_number_of_ops_per_block_whatever_its_parameter_count() -> None:
+    few, many = statistics_ops(parts=1), statistics_ops(parts=8)  # 2 and 16 parameters a block
+    assert few == many, f"ops that grow with the parameters: {(many - few) or (few - many)}"
+    assert sum(few.values()) <= 6 * (LAYERS + 2) + 8, few  # a handful per block and per step, not per parameter
+
+
+def count_syncs(step: Callable[[], None]) -> int:
+    """CUDA host syncs ``step`` makes (``torch.cuda.set_sync_debug_mode`` warns at each)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for warning in caught if "synchroniz" in str(warning.message))
+
+
+@pytest.mark.cuda(devices=1)
+def test_the_statistics_sync_the_host_a_fixed_number_of_times_per_step_on_cuda() -> None:
+    """Two copies to the host a step (the squared norms, the descents), whatever the model's size: the statistics
+    travel in the step's control vector, which is summed over the world on the host."""
+    syncs = []
+    for parts in (1, 8):
+        model = model_of(parts).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        history = PreviousWeights()
+        blocks = range(len(model))
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(torch.randn(BATCH, WIDTH, device="cuda"))[0].square().mean().backward()
+            block_grad_sq_norms(model, blocks)
+            history.block_descents(model, blocks)
+            optimizer.step()
+
+        step()
+        syncs.append(count_syncs(step))
+    assert syncs[0] == syncs[1] <= 2, syncs
