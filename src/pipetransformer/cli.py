@@ -114,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     pretrain.add_argument("config", help="a YAML config with model.kind: vit")
     pretrain.add_argument("--out", required=True, help="backbone file to write (use it as model.path)")
     pretrain.add_argument("--epochs", type=int, default=None, help="passes over the images (default: train.epochs)")
+    pretrain.add_argument("--if-missing", action="store_true",
+                          help="do nothing when --out already exists (a command that sets up once, then reuses it)")
     pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     predict = commands.add_parser("predict",
                                   help="a trained run's predictions for a CSV of texts or a folder of images")
@@ -374,10 +376,13 @@ def _replay(args: argparse.Namespace) -> int:
                                       learning_rates=[lr_at(step, len(steps), config.train) for step in range(len(steps))])
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    print(f"freeze.policy={f.policy} prior={f.prior} interval={f.interval} {f.interval_unit} alpha={f.alpha} "
-          f"threshold={f.threshold} max_advance={f.max_advance} learned_by={f.learned_by} "
-          f"learned_min_steps={f.learned_min_steps} percentile={f.percentile} max_change={f.max_change} "
-          f"max_fraction={f.max_fraction} over {len(steps)} steps of {run_dir}")
+    read = {"descent": ("descent_threshold", "max_advance", "evidence_max_fraction"),
+            "coherence": ("threshold", "max_advance", "learned_by", "learned_min_steps", "evidence_max_fraction"),
+            "gradient": ("percentile", "max_change", "evidence_max_fraction"),
+            "geometric": ("alpha",), "random": ("alpha",), "schedule": ("schedule",)}.get(f.policy, ())
+    settings = " ".join(f"{name}={getattr(f, name)}" for name in read)  # the settings this policy reads
+    print(f"freeze.policy={f.policy} prior={f.prior} interval={f.interval} {f.interval_unit} {settings} "
+          f"max_fraction={f.max_fraction} over {len(steps)} steps of {run_dir}".replace("  ", " "))
     try:
         decisions = replay(policy, steps)
     except ValueError as error:  # e.g. the policy needs signals the run did not log
@@ -391,6 +396,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
+    if args.if_missing and Path(args.out).is_file():
+        print(f"{args.out} exists: kept (--if-missing)")
+        return 0
     config = load_config(args.config, args.overrides)
     if config.model.kind != "vit":
         raise ConfigError(f"pretrain needs model.kind: vit (masked-patch pretraining of the built-in ViT), "

@@ -60,7 +60,7 @@ def _predictions(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def test_png_class_folders_train_on_two_workers_and_predict_reproduces_the_test_accuracy(
+def test_png_class_folders_train_on_two_workers_predict_reproduces_the_test_accuracy_and_export_loads_in_transformers(
         tmp_path: Path, png_folders: Path) -> None:
     """Train on train/<class>/*.png, then ``predict`` on the test folder: the same prediction for every test image as
     the run's own test evaluation, so the same accuracy."""
@@ -82,39 +82,71 @@ def test_png_class_folders_train_on_two_workers_and_predict_reproduces_the_test_
     correct = [float(row["label"] == Path(row["input"]).parent.name) for row in rows]
     assert correct == json.loads((run_dir / "test_samples.json").read_text())["final"]
     assert float(torch.tensor(correct).mean()) == result["test_accuracy"]
+    _check_image_export(run_dir, tmp_path / "exported", png_folders / "test", rows)
+
+
+def _check_image_export(run_dir: Path, out: Path, images: Path, rows: list[dict[str, str]]) -> None:
+    """``export`` writes a standard ``ViTForImageClassification`` and its image processor: transformers' own
+    ``AutoModelForImageClassification`` and ``pipeline`` give ``predict``'s probabilities for every test image (the
+    grey model takes RGB, its patch projection weighted as Pillow's grey conversion)."""
+    from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline
+
+    _cli("export", str(run_dir), str(out))
+    assert not list(out.glob("*.py")), "a standard class: no model code shipped"
+    assert not list(out.glob("*.bin")) and (out / "model.safetensors").is_file()
+    model = AutoModelForImageClassification.from_pretrained(out).eval()
+    processor = AutoImageProcessor.from_pretrained(out)
+    assert model.config.id2label == {0: "circle", 1: "square"}
+    classify = pipeline("image-classification", model=str(out), top_k=None)
+    for row in rows:  # the grey image predict reads; the pipeline hands it over as RGB (R = G = B), as does .convert
+        image = Image.open(images / row["input"]).convert("L")
+        with torch.no_grad():
+            inputs = processor(image.convert("RGB"), return_tensors="pt")
+            probabilities = torch.softmax(model(**inputs).logits, dim=-1)[0]
+        scores = {entry["label"]: entry["score"] for entry in classify(image)}
+        for index, name in model.config.id2label.items():
+            assert float(probabilities[index]) == pytest.approx(float(row[f"p({name})"]), abs=1e-5)
+            assert scores[name] == pytest.approx(float(row[f"p({name})"]), abs=1e-5)
+    card = (out / "README.md").read_text()
+    assert "image classifier" in card and "test accuracy" in card and "pipetransformer train training_config.yaml" \
+        in card
 
 
 TEXT = "tiny_text.yaml"  # a random-weight BERT
+TEXTS = ["a moving, funny and wise film", "two hours I will never get back", "fine"]
 
 
-def test_export_loads_in_transformers_and_gives_the_run_models_logits(tmp_path: Path) -> None:
+def test_export_loads_in_transformers_with_the_trained_head_and_gives_predicts_probabilities(tmp_path: Path) -> None:
+    """The trained head pools over tokens, which no standard class does: the export ships its model code, transformers
+    refuses it without ``trust_remote_code`` (instead of a standard class with a new, random head), and with it
+    ``AutoModelForSequenceClassification`` and ``pipeline`` give ``predict``'s probabilities."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
     run_dir, out = tmp_path / "run", tmp_path / "exported"
-    run_job(TEXT, run_dir, "train.max_steps=4", nproc=2)
+    run_job(TEXT, run_dir, "train.max_steps=4", "freeze.enabled=true", "freeze.policy=schedule",
+            "freeze.interval_unit=steps", "freeze.schedule=[[2,1]]", nproc=2)
     _cli("export", str(run_dir), str(out))
-    from transformers import AutoModel
-
-    from pipetransformer.export import load_exported
-    from pipetransformer.predict import load_run_model
-
-    encoder = AutoModel.from_pretrained(out, local_files_only=True)
-    assert encoder.config.id2label == {0: "rotten", 1: "fresh"}
-    exported, tokenizer = load_exported(out)
-    texts = ["a moving, funny and wise film", "two hours I will never get back", "fine"]
-    batch = tokenizer(texts, padding=True, return_tensors="pt", return_token_type_ids=False)
-    run = load_run_model(run_dir)
-    with torch.no_grad():
-        expected = run.model(batch["input_ids"], batch["attention_mask"])
-        assert torch.allclose(exported(batch["input_ids"], batch["attention_mask"]), expected, atol=1e-5)
-        hidden = encoder(**batch).last_hidden_state  # transformers alone, the head applied by hand
-        assert torch.allclose(exported.head(hidden, batch["attention_mask"])[0], expected, atol=1e-5)
-
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
     table = tmp_path / "texts.csv"
     with table.open("w", newline="") as handle:
-        csv.writer(handle).writerows([["text"], *([text] for text in texts)])
+        csv.writer(handle).writerows([["text"], *([text] for text in TEXTS)])
     _cli("predict", str(run_dir), "--input", str(table), "--output", str(tmp_path / "p.csv"))
     rows = _predictions(tmp_path / "p.csv")
     assert [row["input"] for row in rows] == ["line 2", "line 3", "line 4"]
-    probabilities = torch.softmax(expected, dim=-1)
-    for row, p in zip(rows, probabilities, strict=True):
-        assert row["label"] == run.class_names[int(p.argmax())]
-        assert float(row["p(fresh)"]) == pytest.approx(float(p[1]), abs=1e-5)
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForSequenceClassification.from_pretrained(out, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(out, trust_remote_code=True).eval()
+    assert model.config.id2label == {0: "rotten", 1: "fresh"}
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        probabilities = torch.softmax(model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits, dim=-1)
+    classify = pipeline("text-classification", model=str(out), trust_remote_code=True, top_k=None)
+    for row, p, scores in zip(rows, probabilities, classify(TEXTS), strict=True):
+        by_label = {entry["label"]: entry["score"] for entry in scores}
+        for index, name in model.config.id2label.items():
+            assert float(p[index]) == pytest.approx(float(row[f"p({name})"]), abs=1e-5)
+            assert by_label[name] == pytest.approx(float(row[f"p({name})"]), abs=1e-5)
+    card = (out / "README.md").read_text()
+    assert "text classifier" in card and "the bottom 1 layer frozen at step 2" in card
+    assert (out / "training_config.yaml").is_file()

@@ -67,6 +67,9 @@ def test_pretrain_command_writes_a_backbone_a_training_config_can_use(tmp_path: 
     config = load_config(TINY_VIT, [f"model.path={out}"])
     loaded = build_model("vit", num_labels=NUM_CLASSES, path=config.model.path, vit=dict(config.model.vit))
     assert not torch.equal(loaded.blocks[1].qkv.weight, tiny_vit().blocks[1].qkv.weight)  # pretrained, not the init
+    written = out.stat().st_mtime_ns
+    assert main(["pretrain", str(TINY_VIT), "--out", str(out), "--epochs", "1", "--if-missing"]) == 0
+    assert out.stat().st_mtime_ns == written and "kept (--if-missing)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [
