@@ -74,7 +74,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_frontier"
 PERCENT = 100.0
-FRESH_SPLIT_SEED = 53
+FRESH_SPLIT_SEED = 54
 """Registered 2026-11-28 08:44 UTC (issue 52), before any run on it: split_seed 52 (registered 2026-11-27) had its
 test rows read once, by round ``confirm``, and is development data from then on (``--split-seed 52`` reads it)."""
 SPLIT_SETTING = "data.split_seed="
@@ -112,17 +112,29 @@ ARMS: dict[str, Member] = {
 QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
 HALF = "freeze.max_fraction=0.5"
 """Evidence freezes at most half the layers (the policy is coherence, so the cap binds no other policy)."""
+COHERENCE = ("freeze.policy=coherence", "freeze.max_advance=1")
+"""The coherence test with one more layer per window (the package's default policy until 2026-12-04): every candidate of
+round ``choice`` ran it."""
 CANDIDATES: dict[str, Member] = {
-    "half": Member("all", (NO_BUDGET, HALF, "freeze.prior=embeddings")),
-    "prior1_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=1")),
-    "prior2_half": Member("all", (NO_BUDGET, HALF, "freeze.prior=2")),
-    "prior1_third": Member("all", (NO_BUDGET, "freeze.max_fraction=0.34", "freeze.prior=1")),
-    "previous_default": Member("all", (NO_BUDGET, "freeze.evidence_max_fraction=null", "freeze.prior=embeddings")),
+    "half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=embeddings")),
+    "prior1_half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=1")),
+    "prior2_half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=2")),
+    "prior1_third": Member("all", (NO_BUDGET, *COHERENCE, "freeze.max_fraction=0.34", "freeze.prior=1")),
+    "previous_default": Member("all", (NO_BUDGET, *COHERENCE, "freeze.evidence_max_fraction=null",
+                                       "freeze.prior=embeddings")),
+    "coherence_default": Member("all", (NO_BUDGET, *COHERENCE, "freeze.prior=auto")),
+    "descent_third": Member("all", (NO_BUDGET, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
+                                    "freeze.max_advance=null", "freeze.prior=none",
+                                    f"freeze.evidence_max_fraction={1 / 3}")),
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule. ``previous_default`` is the default until
 2026-11-28 (the embeddings, then evidence bounded by the learning-rate budget alone: 5 of 6 layers by the end in
-every run of the 6-layer tasks): the frontier's first launches ran it as ``default``, and their runs carry its name."""
+every run of the 6-layer tasks): the frontier's first launches ran it as ``default``, and their runs carry its name.
+``coherence_default`` is the default from 2026-11-28 to 2026-12-04 (the embeddings and a third of the layers from the
+first step, then the coherence test up to half the layers): split 53's archived runs ran it as ``default`` and are
+unpacked under its name (``LOG.md``, 2026-12-04). ``descent_third`` is the descent test with at most a third of the
+layers frozen, the second candidate of round ``descent`` (LOG, 2026-12-04)."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not

@@ -27,6 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.metrics import TEST_SAMPLES_FILE
+from pipetransformer.report import combined_se
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     DISTURBED_LOAD,
@@ -105,6 +108,7 @@ def _aggregate(results: list[RunResult]) -> dict[str, dict[str, Any]]:
             "transitions": len(done[-1].summary.get("transitions", [])) if done else None,
             "transition_s": sum(t["seconds"] for t in done[-1].summary.get("transitions", [])) if done else None,
             "breakdown": step_breakdown(Path(done[-1].run_dir)) if done else [],
+            "run_dirs": {r.repeat: r.run_dir for r in done},
         }
     faster_plain = _faster_plain(table)
     for row in table.values():
@@ -157,12 +161,39 @@ def _targets(task: str, table: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"- test accuracy (final model) {row['test_accuracy'] * PERCENT:.2f}% vs the best baseline "
                      f"(`{best}`) {table[best]['test_accuracy'] * PERCENT:.2f}% ({-gap:+.2f} points; target within "
                      f"{ACCURACY_TOLERANCE_POINTS}): {verdict}")
+    paired = _paired_line(table)
+    if paired:
+        lines.append(paired)
     disturbed = [f"`{m}` {r['load_mean']:.1f}" for m, r in table.items()
                  if r["load_mean"] is not None and r["load_mean"] > DISTURBED_LOAD]
     if disturbed:
         lines.append(f"- DISTURBED: mean load above {DISTURBED_LOAD} during {', '.join(disturbed)}: other work "
                      "shared the 2 cores, so wall times and ratios are not trustworthy; rerun on a quiet machine")
     return lines
+
+
+def _test_rows(run_dir: str) -> list[float] | None:
+    """Each test row's correctness of a run's final model (``test_samples.json``), None when not recorded."""
+    path = Path(run_dir) / TEST_SAMPLES_FILE
+    return [float(v) for v in json.loads(path.read_text())["final"]] if path.is_file() else None
+
+
+def _paired_line(table: dict[str, dict[str, Any]]) -> str | None:
+    """With seeded repeats (``--seeds-per-repeat``): `all` against the faster plain baseline paired by seed and test row,
+    mean ± SE over seeds and rows (``report.combined_se``)."""
+    plain = _faster_plain(table)
+    if "all" not in table or plain is None or not table["all"].get("seeded"):
+        return None
+    repeats = sorted(set(table["all"]["run_dirs"]) & set(table[plain]["run_dirs"]))
+    rows = [_test_rows(table["all"]["run_dirs"][r]) for r in repeats]
+    base = [_test_rows(table[plain]["run_dirs"][r]) for r in repeats]
+    if not repeats or any(r is None for r in (*rows, *base)):
+        return None
+    difference, se = combined_se(rows, base)  # type: ignore[arg-type]
+    verdict = "met" if difference * PERCENT >= -ACCURACY_TOLERANCE_POINTS else "MISSED"
+    return (f"- test accuracy paired with `{plain}` by seed and row ({len(repeats)} seeds): "
+            f"{difference * PERCENT:+.2f} ± {se * PERCENT:.2f} points (target >= -{ACCURACY_TOLERANCE_POINTS}): "
+            f"{verdict}")
 
 
 def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
@@ -237,6 +268,7 @@ def _stem(kind: str, task: str, quick: bool, configs: list[str]) -> str:
 def _command(task: str, args: argparse.Namespace) -> str:
     """The command that ran this task, as a reader would type it."""
     return (f"`.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
+            f"{' --seeds-per-repeat' if args.seeds_per_repeat else ''}"
             f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}"
             f"{' --no-reference' if args.no_reference and task == 'text' else ''}`")
 
@@ -312,11 +344,14 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     for repeat, member in interleaved_order(members, args.repeats):
         variant = VARIANTS.get(member, Member(member))
         overrides = spec.quick_overrides(variant.family_member) if args.quick else []
+        seed = [f"seed={repeat}"] if args.seeds_per_repeat else []
         results.append(run_training(member, spec.config(variant.family_member), repeat, runs_dir,
-                                    [*overrides, *variant.overrides], nproc=variant.nproc))
+                                    [*overrides, *variant.overrides, *seed], nproc=variant.nproc))
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
-    stem = _stem("results", task, args.quick, args.configs)
+    for row in table.values():
+        row["seeded"] = args.seeds_per_repeat
+    stem = _stem("results" + ("-seeded" if args.seeds_per_repeat else ""), task, args.quick, args.configs)
     png = _report(_stem("report", task, args.quick, args.configs), results, runs_dir)
     markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
@@ -348,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="subset of the data, so one task takes ~15 minutes")
     parser.add_argument("--task", choices=(*TASKS, "both"), default="text")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved")
+    parser.add_argument("--seeds-per-repeat", action="store_true",
+                        help="repeat r runs with seed=r, so accuracy is paired with the plain baseline over seeds")
     parser.add_argument("--configs", nargs="+", choices=FAMILY, default=list(FAMILY),
                         help="a subset of the family (the speed-ups need no_freeze and ddp or single)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR, help="where run directories go")

@@ -1,0 +1,117 @@
+"""The per-step cost of each automation before it pays: the same model, data and layout (1 stage x 2 replicas,
+nothing frozen), with AutoFreeze (with and without AutoCache, which needs it), AutoPipe (with and without AutoDP, which needs it)
+and all four together, against the plain
+step. AutoFreeze runs its statistics every step but cannot freeze (``freeze.descent_threshold`` out of reach), so
+what is measured is what a run pays until its first freeze.
+
+    .venv/bin/python benchmarks/overhead/main.py            # the ViT, 6 variants x 3 repeats: under 10 min on 2 cores
+    .venv/bin/python benchmarks/overhead/main.py --text     # MiniLM-L6 instead (slower steps, 90 MB of gradients)
+    .venv/bin/python benchmarks/overhead/main.py --quick    # 2 repeats of fewer steps: the machinery
+
+Reported per variant: the median step time over the repeats' settled steps (logged every second step, so the
+every-step replay logging of ``run.log_every: 1`` stays off), its ratio to the plain step of the same repeat, and
+the step's phases (``control`` holds the freezer's statistics and the one all-reduce of the control vector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import (  # noqa: E402 - the shared helper lives one folder up
+    CONFIG_DIR,
+    REPO_ROOT,
+    SETTLED_AFTER_STEPS,
+    interleaved_order,
+    machine_info,
+    markdown_table,
+    replace_section,
+    run_training,
+    step_records,
+)
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+RESULTS = HERE / "results"
+RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "overhead"
+NEVER_FREEZES = ("freeze.enabled=true", "freeze.descent_threshold=-1e9")
+"""The freezer's statistics every step and its windows, but a threshold no descent t-statistic reaches."""
+PIPE = ("pipe.enabled=true", "pipe.micro_batches=auto")
+"""AutoPipe without a memory budget: the planner keeps the model on one stage."""
+CACHE = ("cache.enabled=true", "cache.min_frozen=1")
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "freeze": NEVER_FREEZES,
+    "pipe": PIPE,
+    "pipe+dp": (*PIPE, "dp.enabled=true"),  # AutoDP's replicas come from compressing the pipeline: it needs AutoPipe
+    "freeze+cache": (*NEVER_FREEZES, *CACHE),  # the cache holds the frozen layers' output: it needs AutoFreeze
+    "all": (*NEVER_FREEZES, *PIPE, "dp.enabled=true", *CACHE),
+}
+MODELS = {"vit": ("vit_fashion_ddp.yaml", 128), "text": ("text_minilm_ddp.yaml", 32)}
+LOG_EVERY = 2
+PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "control_s", "optimizer_s")
+MS_PER_S = 1000.0
+
+
+def _settled(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in step_records(run_dir) if r["step"] > SETTLED_AFTER_STEPS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", action="store_true", help="MiniLM-L6 on Rotten Tomatoes instead of the ViT")
+    parser.add_argument("--quick", action="store_true", help="2 repeats of fewer steps")
+    args = parser.parse_args()
+    model = "text" if args.text else "vit"
+    config_name, batch = MODELS[model]
+    repeats, steps = (2, 40) if args.quick else (3, 130 if model == "vit" else 60)
+    overrides = (f"data.max_train_samples={steps * batch}", "data.max_eval_samples=64", "data.max_test_samples=64",
+                 "train.epochs=1", "train.eval_every_steps=null", f"run.log_every={LOG_EVERY}",
+                 "checkpoint.enabled=false")
+    machine = machine_info()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for repeat, name in interleaved_order(list(VARIANTS), repeats):
+        result = run_training(name, CONFIG_DIR / config_name, repeat, RUNS_DIR / model, [*overrides, *VARIANTS[name]])
+        if not result.ok:
+            raise SystemExit(f"{name} repeat {repeat} failed: {result.error}")
+        settled = _settled(Path(result.run_dir))
+        layouts = {(r["stages"], r["dp_width"], r["frozen_layers"]) for r in settled}
+        if layouts != {(1, 2, 0)}:
+            raise SystemExit(f"{name} ran layouts {sorted(layouts)}, not 1 stage x 2 replicas with nothing frozen")
+        runs[name].append({"repeat": repeat, "step_s": statistics.median(r["step_s"] for r in settled),
+                           "steps": len(settled), "load_mean": result.load_mean,
+                           "phases": {p: statistics.median(r.get(p, 0.0) for r in settled) for p in PHASES}})
+    rows = []
+    for name, done in runs.items():
+        ratios = [run["step_s"] / plain["step_s"] for run, plain in zip(done, runs["plain"], strict=True)]
+        rows.append([f"`{name}`", f"{statistics.median(r['step_s'] for r in done) * MS_PER_S:.1f}",
+                     ", ".join(f"{r['step_s'] * MS_PER_S:.1f}" for r in done),
+                     f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+                     *(f"{statistics.median(r['phases'][p] for r in done) * MS_PER_S:.1f}" for p in PHASES),
+                     sum(r["steps"] for r in done), ", ".join(f"{r['load_mean']:.1f}" for r in done)])
+    body = "\n".join([
+        f"## {model}: each automation alone and together, nothing frozen",
+        "",
+        f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if args.text else ''}{' --quick' if args.quick else ''}`"
+        f", started {machine['started']} (load {machine['load_average_at_start'][0]}), {machine['nproc']} cores, "
+        f"torch {machine['torch']}: `{config_name}`, 1 stage x 2 replicas, batch {batch}, {steps} steps a run, "
+        f"{repeats} repeats taking turns. Step time: median of the settled steps (after the first "
+        f"{SETTLED_AFTER_STEPS}, every {LOG_EVERY}nd logged); the ratio is to the plain step of the same repeat.",
+        "",
+        markdown_table(["variant", "step ms", "per repeat", "vs plain (min-max)",
+                        *(p.removesuffix("_s") + " ms" for p in PHASES), "steps", "load"], rows),
+    ])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"results-{model}.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
+    replace_section(README, f"overhead-{model}", body, "## Results")
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
