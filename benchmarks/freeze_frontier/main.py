@@ -10,6 +10,8 @@ a few seeds at a time and every launch's runs are read together)::
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test        # once the default is fixed
     .venv/bin/python benchmarks/freeze_frontier/main.py --round choice --task fashion_mnist --arms ddp half
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test --round confirm --with-frontier
+    .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test --runs-dir DIR \
+        --pooled-frontier results/frontier-confirm-test.json results/frontier-split53-test.json   # split 54
 
 Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
 cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
@@ -17,7 +19,9 @@ and the bottom k layers frozen from the first step, cached; every run of splits 
 2026-11-28, froze the k layers after it); ``geometric`` (alpha 1/3, up to 5 of 6); ``default``
 (the package's default freezer with AutoPipe, AutoDP and AutoCache: ``configs/*_all.yaml``). ``CANDIDATES`` for a new
 default run only when named, in a round of their own (``--round``) beside a ``ddp`` of the same launch; a round's
-report can set the frontier's other arms beside its own (``--with-frontier``), each paired with its own launch.
+report can set the frontier's other arms beside its own (``--with-frontier``), each paired with its own launch. A
+fresh split that ran only ``ddp``, ``single`` and ``default`` is judged beside earlier splits' fixed arms, pooled
+(``--pooled-frontier``).
 
 Every task reads fresh test rows: ``data.split_seed`` is ``FRESH_SPLIT_SEED`` (registered in this folder's README
 before any run on it; ``--split-seed`` reads an older split, each in its own ``--runs-dir``), so its validation and
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -430,9 +435,54 @@ def baseline_agreement(round_runs: dict[str, dict[int, RunResult]], frontier_run
             f"(largest gap {max(gaps):.2f} points)")
 
 
+FIXED_ARMS = ("embed", *(f"fixed{k}" for k in FIXED_DEPTHS))
+
+
+def pooled_fixed_arms(result_files: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per task, the fixed arms of earlier reports (their ``.json``, one split each) pooled over the splits: seed-weighted
+    means of the paired difference, accuracy and speed-up, the SEs combined as those of a seed-weighted mean. Each
+    split's speed-up is against its own launch's plain baseline, so the pooled one is too."""
+    reports = [json.loads(path.read_text())["tasks"] for path in result_files]
+    pooled: dict[str, dict[str, dict[str, Any]]] = {}
+    for task in sorted({name for report in reports for name in report}):
+        for arm in FIXED_ARMS:
+            rows = [report[task][arm] for report in reports if arm in report.get(task, {})]
+            if not rows:
+                continue
+            counts = [len(row["seeds"]) for row in rows]
+            total = sum(counts)
+
+            def weighted(key: str, rows: list[dict[str, Any]] = rows, counts: list[int] = counts) -> float:
+                return sum(n * row[key] for n, row in zip(counts, rows)) / sum(counts)
+
+            pooled.setdefault(task, {})[arm] = {
+                "seeds": list(range(total)), "baseline": "/".join(sorted({row["baseline"] for row in rows})),
+                "accuracy": weighted("accuracy"), "difference": weighted("difference"),
+                "se": math.sqrt(sum((n * row["se"]) ** 2 for n, row in zip(counts, rows))) / total,
+                "speedup": weighted("speedup"),
+                "speedup_range": (min(row["speedup_range"][0] for row in rows),
+                                  max(row["speedup_range"][1] for row in rows)),
+                "frozen_at_end": [count for row in rows for count in row["frozen_at_end"]], "freezes": [], "load": None,
+                "splits": len(rows)}
+    return pooled
+
+
+def with_pooled_frontier(table: dict[str, dict[str, Any]], pooled: dict[str, dict[str, Any]],
+                         label: str) -> dict[str, dict[str, Any]]:
+    """A launch's arms (e.g. ``ddp``, ``single``, ``default`` on a fresh split) beside the pooled fixed arms it did
+    not run, each row labelled with where it was measured."""
+    merged = {name: {**row, "launch": label} for name, row in pooled.items() if name not in table}
+    merged.update(table)
+    return {name: merged[name] for name in ALL_ARMS if name in merged}
+
+
 def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path, split: str, stem: str,
-            round_name: str | None = None, frontier_dir: Path | None = None) -> str:
-    """Tables and figures for the named tasks; with ``frontier_dir``, the round's arms beside the frontier's."""
+            round_name: str | None = None, frontier_dir: Path | None = None,
+            pooled_from: Sequence[Path] = ()) -> str:
+    """Tables and figures for the named tasks; with ``frontier_dir``, the round's arms beside the frontier's; with
+    ``pooled_from``, beside the fixed arms of earlier reports pooled over their splits."""
+    pooled = pooled_fixed_arms(pooled_from) if pooled_from else {}
+    pooled_label = "pooled: " + " + ".join(path.stem for path in pooled_from)
     sections, payload = [], {"split": split, "machine": machine_info(), "tasks": {}}
     RESULTS.mkdir(exist_ok=True)
     for name in names:
@@ -444,6 +494,8 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
             table = beside_frontier(table, summarize(frontier_runs, split), round_name)
             if runs and frontier_runs:
                 notes.append(baseline_agreement(runs, frontier_runs, split))
+        if table and name in pooled:
+            table = with_pooled_frontier(table, pooled[name], pooled_label)
         if not table:
             continue
         payload["tasks"][name] = table
@@ -452,6 +504,8 @@ def _report(tasks: dict[str, FrontierTask], names: Sequence[str], runs_dir: Path
     split_seed = tasks[names[0]].split_seed
     command = (f"--report --split {split}" + (f" --round {round_name}" if round_name else "")
                + (" --with-frontier" if frontier_dir is not None else "")
+               + (" --pooled-frontier " + " ".join(str(path.relative_to(HERE) if path.is_relative_to(HERE) else path)
+                                                   for path in pooled_from) if pooled_from else "")
                + (f" --split-seed {split_seed}" if split_seed != FRESH_SPLIT_SEED else ""))
     title = f"AutoFreeze frontier, round {round_name}" if round_name else "AutoFreeze frontier"
     markdown = "\n".join([f"# {title} ({split} split)", "",
@@ -473,6 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--with-frontier", action="store_true",
                         help="a round's report with the frontier's arms it did not run beside its own, each paired "
                              "with its own launch's baseline")
+    parser.add_argument("--pooled-frontier", type=Path, nargs="+", default=[], metavar="RESULTS_JSON",
+                        help="set the fixed arms of these earlier reports (results/*.json, one split each), pooled "
+                             "over their splits, beside this report's arms: a fresh split that ran only the default "
+                             "and the plain baselines is judged against them")
     parser.add_argument("--report", action="store_true", help="tables and figures from the finished runs only")
     parser.add_argument("--split", choices=(VALIDATION, TEST), default=VALIDATION,
                         help="which split the report reads (settings are chosen on validation)")
@@ -497,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _run(task, args.seeds if args.seeds is not None else range(task.seeds), args.arms or list(ARMS), runs_dir)
     if args.report or args.task:
         print(_report(tasks, list(FRONTIER_TASKS[1:]), runs_dir, args.split, stem, args.round,
-                      args.runs_dir if args.with_frontier else None))
+                      args.runs_dir if args.with_frontier else None,
+                      [path.resolve() for path in args.pooled_frontier]))
         return 0
     parser.print_usage()
     return 2

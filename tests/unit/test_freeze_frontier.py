@@ -133,3 +133,35 @@ def test_a_report_refuses_runs_of_another_split(tmp_path: Path) -> None:
         frontier._collect(task, tmp_path)
     assert set(frontier._collect(frontier.frontier_tasks(tmp_path, split_seed=52)["rotten_tomatoes"], tmp_path)) \
         == {"ddp"}
+
+
+def test_a_fresh_split_is_judged_beside_earlier_splits_fixed_arms_pooled(tmp_path: Path) -> None:
+    """Two earlier reports' fixed arms pool by seed count (3 + 5 seeds), and a fresh launch's default is judged against
+    the fastest pooled fixed freeze within the bound, the speed-ups said to come from other launches."""
+    def report(name: str, seeds: int, fixed2: tuple[float, float, float], fixed3: tuple[float, float, float]) -> Path:
+        def row(difference: float, se: float, speedup: float, frozen: int) -> dict[str, object]:
+            return {"seeds": list(range(seeds)), "baseline": "ddp", "accuracy": 0.9 + difference,
+                    "difference": difference, "se": se, "speedup": speedup, "speedup_range": [speedup - 0.1, speedup],
+                    "frozen_at_end": [frozen] * seeds}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tasks": {"fashion_mnist": {"fixed2": row(*fixed2, 2), "fixed3": row(*fixed3, 3),
+                                                                "default": row(-0.02, 0.001, 3.0, 5)}}}))
+        return path
+
+    older = report("split52", 3, (-0.0042, 0.0022, 1.32), (-0.0111, 0.0021, 1.65))
+    newer = report("split53", 5, (-0.0018, 0.0017, 1.36), (-0.0049, 0.0020, 1.66))
+    pooled = frontier.pooled_fixed_arms([older, newer])["fashion_mnist"]
+    assert set(pooled) == {"fixed2", "fixed3"}, "an earlier report's default is not a fixed arm"
+    assert pooled["fixed2"]["difference"] == pytest.approx((3 * -0.0042 + 5 * -0.0018) / 8)
+    assert pooled["fixed2"]["se"] == pytest.approx(((3 * 0.0022) ** 2 + (5 * 0.0017) ** 2) ** 0.5 / 8)
+    assert pooled["fixed2"]["speedup"] == pytest.approx((3 * 1.32 + 5 * 1.36) / 8)
+    assert len(pooled["fixed3"]["seeds"]) == 8 and pooled["fixed3"]["difference"] < -0.005
+
+    correct = [1] * 200
+    fresh = {"ddp": {s: _run(tmp_path, "ddp", s, 100.0, correct) for s in (0, 1)},
+             "default": {s: _run(tmp_path, "default", s, 80.0, correct, frozen=2) for s in (0, 1)}}
+    table = frontier.with_pooled_frontier(frontier.summarize(fresh, "test"), pooled, "pooled")
+    assert list(table) == ["ddp", "fixed2", "fixed3", "default"]
+    lines = frontier.verdicts("fashion_mnist", table)
+    assert "`fixed2` 1.35x" in lines[1] and "0.93 of it" in lines[1] and "MISSED" in lines[1]
+    assert "two launches" in lines[1]
