@@ -11,7 +11,7 @@ a few seeds at a time and every launch's runs are read together)::
     .venv/bin/python benchmarks/freeze_frontier/main.py --round choice --task fashion_mnist --arms ddp half
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test --round confirm --with-frontier
     .venv/bin/python benchmarks/freeze_frontier/main.py --report --split test --runs-dir DIR \
-        --pooled-frontier results/frontier-confirm-test.json results/frontier-split53-test.json   # split 54
+        --pooled-frontier results/frontier-confirm-test.json results/frontier-split53-test.json --split-seed 54
 
 Arms (``ARMS``), interleaved per seed: the plain baselines ``ddp`` (2 workers) and ``single`` (one process on both
 cores); ``embed`` (the embeddings frozen from the first step, nothing else); ``fixed1``-``fixed4`` (the embeddings
@@ -79,9 +79,10 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "benchmarks" / "freeze_frontier"
 PERCENT = 100.0
-FRESH_SPLIT_SEED = 54
-"""Registered 2026-11-28 08:44 UTC (issue 52), before any run on it: split_seed 52 (registered 2026-11-27) had its
-test rows read once, by round ``confirm``, and is development data from then on (``--split-seed 52`` reads it)."""
+FRESH_SPLIT_SEED = 55
+"""Registered 2026-12-05 07:30 UTC (issue 71), before any run on it. Splits 52 (test read once, round ``confirm``),
+53 (read by the owner and in round ``descent``) and 54 (the descent default's one read) are development data; each
+is read with ``--split-seed`` in its own ``--runs-dir``."""
 SPLIT_SETTING = "data.split_seed="
 ACCURACY_BOUND_POINTS = 0.5
 """The default's paired test difference from the faster plain baseline must be at least -0.5 points."""
@@ -131,6 +132,10 @@ CANDIDATES: dict[str, Member] = {
     "descent_third": Member("all", (NO_BUDGET, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
                                     "freeze.max_advance=null", "freeze.prior=none",
                                     f"freeze.evidence_max_fraction={1 / 3}")),
+    **{f"descent_t{tag}": Member("all", (NO_BUDGET, "freeze.policy=descent", f"freeze.descent_threshold={threshold}",
+                                         "freeze.max_advance=null", "freeze.prior=none",
+                                         "freeze.evidence_max_fraction=0.5"))
+       for tag, threshold in (("2", -2.0), ("3", -3.0))},
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule. ``previous_default`` is the default until
@@ -139,7 +144,9 @@ every run of the 6-layer tasks): the frontier's first launches ran it as ``defau
 ``coherence_default`` is the default from 2026-11-28 to 2026-12-04 (the embeddings and a third of the layers from the
 first step, then the coherence test up to half the layers): split 53's archived runs ran it as ``default`` and are
 unpacked under its name (``LOG.md``, 2026-12-04). ``descent_third`` is the descent test with at most a third of the
-layers frozen, the second candidate of round ``descent`` (LOG, 2026-12-04)."""
+layers frozen, the second candidate of round ``descent`` (LOG, 2026-12-04). ``descent_t2`` and ``descent_t3`` ask for
+a steeper loss rise before a layer stops (t below -2 or -3 for two windows), round ``depth`` (development data, LOG
+2026-12-05): on split 54 the bottom two image layers read -3.5 where the third read -2.9 and those above -2.2 to -2.5."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not
