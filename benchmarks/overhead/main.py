@@ -7,6 +7,7 @@ what is measured is what a run pays until its first freeze.
     .venv/bin/python benchmarks/overhead/main.py            # the ViT, 6 variants x 3 repeats: under 10 min on 2 cores
     .venv/bin/python benchmarks/overhead/main.py --text     # MiniLM-L6 instead (slower steps, 90 MB of gradients)
     .venv/bin/python benchmarks/overhead/main.py --quick    # 2 repeats of fewer steps: the machinery
+    .venv/bin/python benchmarks/overhead/main.py --profile  # each variant once under torch.profiler: where it goes
 
 Reported per variant: the median step time over the repeats' settled steps (logged every second step, so the
 every-step replay logging of ``run.log_every: 1`` stays off), its ratio to the plain step of the same repeat, and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -55,6 +57,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 MODELS = {"vit": ("vit_fashion_ddp.yaml", 128), "text": ("text_minilm_ddp.yaml", 32)}
 LOG_EVERY = 2
+PROFILED_STEPS = 10
+"""``--profile``: this many settled steps, from the 20th on, under ``run.profile_steps``."""
+PROFILE_FROM = 20
+TOP_OPS = 12
 PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "control_s", "optimizer_s")
 MS_PER_S = 1000.0
 
@@ -67,9 +73,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", action="store_true", help="MiniLM-L6 on Rotten Tomatoes instead of the ViT")
     parser.add_argument("--quick", action="store_true", help="2 repeats of fewer steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="each variant once under torch.profiler: ops, kernel launches and host syncs per step")
     args = parser.parse_args()
     model = "text" if args.text else "vit"
     config_name, batch = MODELS[model]
+    if args.profile:
+        profile(model, config_name, batch)
+        return
     repeats, steps = (2, 40) if args.quick else (3, 130 if model == "vit" else 60)
     overrides = (f"data.max_train_samples={steps * batch}", "data.max_eval_samples=64", "data.max_test_samples=64",
                  "train.epochs=1", "train.eval_every_steps=null", f"run.log_every={LOG_EVERY}",
@@ -110,6 +121,65 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"results-{model}.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
     replace_section(README, f"overhead-{model}", body, "## Results")
+    print(body)
+
+
+def _ops_by_self_time(ops_table: str) -> list[tuple[str, float]]:
+    """``(name, self time in ms)`` of the top rows of a profile's ops table (``rank<R>-ops.txt``)."""
+    rows = []
+    for line in ops_table.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())  # fixed-width columns; a long name is cut with "..."
+        if len(cells) < 3 or "::" not in cells[0]:
+            continue
+        rows.append((cells[0], _milliseconds(cells[2])))
+    return rows[:TOP_OPS]
+
+
+def _milliseconds(text: str) -> float:
+    for unit, scale in (("ms", 1.0), ("us", 1e-3), ("s", 1e3)):
+        if text.endswith(unit):
+            return float(text.removesuffix(unit)) * scale
+    raise ValueError(f"not a profiler time: {text}")
+
+
+def profile(model: str, config_name: str, batch: int) -> None:
+    """Each variant once with ``run.profile_steps`` on settled steps: per step, the ops, kernel launches and host
+    syncs (rank 0), and the ops taking most self time, into results/profile-<model>.md."""
+    first = PROFILE_FROM
+    steps = first + PROFILED_STEPS + SETTLED_AFTER_STEPS
+    overrides = (f"data.max_train_samples={steps * batch}", "data.max_eval_samples=64", "data.max_test_samples=64",
+                 "train.epochs=1", "train.eval_every_steps=null", f"run.log_every={LOG_EVERY}",
+                 "checkpoint.enabled=false", f"run.profile_steps=[{first},{first + PROFILED_STEPS - 1}]")
+    machine = machine_info()
+    rows, tops = [], []
+    for name, extra in VARIANTS.items():
+        result = run_training(name, CONFIG_DIR / config_name, 0, RUNS_DIR / f"{model}-profile", [*overrides, *extra])
+        if not result.ok:
+            raise SystemExit(f"{name} failed: {result.error}")
+        out = Path(result.run_dir) / "profile"
+        counts = json.loads((out / "rank0.json").read_text())
+        rows.append([f"`{name}`", *(f"{counts[key]:.0f}" for key in ("aten_ops_per_step", "kernel_launches_per_step",
+                                                                       "synchronizing_calls_per_step",
+                                                                       "async_copies_per_step"))])
+        ops = _ops_by_self_time((out / "rank0-ops.txt").read_text())
+        tops.append(f"- `{name}`: " + ", ".join(f"{op} {ms / PROFILED_STEPS:.1f}" for op, ms in ops))
+    body = "\n".join([
+        f"## {model}: where a step goes, under torch.profiler",
+        "",
+        f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if model == 'text' else ''} --profile`, started "
+        f"{machine['started']} (load {machine['load_average_at_start'][0]}), {machine['nproc']} cores, torch "
+        f"{machine['torch']}: each variant once, steps {first}-{first + PROFILED_STEPS - 1} profiled on rank 0 "
+        "(`run.profile_steps`; the tables and Chrome traces stay in the runs' `profile/` folders).",
+        "",
+        markdown_table(["variant", "aten ops / step", "kernel launches / step", "host-sync calls / step",
+                        "async copies / step"], rows),
+        "",
+        f"Ops by self time, ms per step (top {TOP_OPS}):",
+        "",
+        *tops,
+    ])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"profile-{model}.md").write_text(f"# Step overhead under the profiler\n\n{body}\n")
     print(body)
 
 

@@ -77,6 +77,7 @@ class RunConfig:
     save_model: bool = False  # also write optimizer.safetensors at the end (model.safetensors, the final weights, is always written)
     record_samples: bool = False  # write samples-rank<R>.jsonl: the sample indices each replica trained on, per step
     tensorboard: bool = True  # rank 0 also logs TensorBoard event files to <run dir>/tensorboard, if installed
+    profile_steps: list[int] | None = None  # [first, last]: torch.profiler over these steps (1-based), per rank into <run dir>/profile: ops by self time, a Chrome trace, per-step counts of ops, kernel launches and host syncs
 
     def resolved_dir(self) -> str:
         """``dir``, or ``runs/<name>-<time>``: named once, by the launcher for its workers or by rank 0 alone."""
@@ -314,6 +315,10 @@ class Config:
             "pipe.link_bandwidth_gbps": self.pipe.link_bandwidth_gbps,
             "dp.bucket_mib": self.dp.bucket_mib,
         })
+        steps = self.run.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(f"run.profile_steps must be [first, last] with 1 <= first <= last (steps count from 1), "
+                              f"got {steps}")
         if self.train.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
         if not 0.0 <= self.train.momentum < 1.0:

@@ -54,15 +54,20 @@ def device_synchronize(device: torch.device) -> None:
 
 
 class StepTimer:
-    """Accumulates seconds per named phase within one step."""
+    """Accumulates seconds per named phase within one step.
+
+    On an asynchronous device a phase's time is only honest after a synchronize, which stalls the host; so a step
+    whose phases nobody records (``reset(synchronize=False)``: not a logging step) times its phases without one."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.phases: dict[str, float] = {}
+        self.synchronize = True
         self._start = time.perf_counter()
 
-    def reset(self) -> None:
+    def reset(self, synchronize: bool = True) -> None:
         self.phases = {}
+        self.synchronize = synchronize
         self._start = time.perf_counter()
 
     @contextmanager
@@ -71,7 +76,8 @@ class StepTimer:
         try:
             yield
         finally:
-            device_synchronize(self.device)
+            if self.synchronize:
+                device_synchronize(self.device)
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def total(self) -> float:

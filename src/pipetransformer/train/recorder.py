@@ -107,6 +107,10 @@ class RunRecorder:
             self._bar = tqdm(total=total_samples, initial=samples_done, unit="samples", dynamic_ncols=True,
                              mininterval=BAR_REFRESH_S)
 
+    def logs(self, step: int) -> bool:
+        """Whether ``step``'s record is written (every ``run.log_every``-th step and the first, on rank 0)."""
+        return self.metrics is not None and (step % self.settings.log_every == 0 or step == 1)
+
     def step(self, progress: Progress, result: StepResult, samples: int, timer: StepTimer, plan: LayoutPlan,
              frozen_layers: int) -> None:
         step_s = timer.total()
@@ -115,7 +119,7 @@ class RunRecorder:
             self._bar.update(samples)
             self._bar.set_postfix_str(f"loss {result.loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
                                       f"{frozen_layers} | stages {layout.num_stages} x dp {layout.dp_width}")
-        if self.metrics is None or (progress.step % self.settings.log_every and progress.step != 1):
+        if not self.logs(progress.step):
             return
         record = {"step": progress.step, "epoch": progress.epoch, "loss": result.loss, "lr": result.lr,
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,

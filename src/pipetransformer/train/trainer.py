@@ -30,6 +30,7 @@ from pipetransformer.train.control import StopSignals, gather_control
 from pipetransformer.train.elastic import ElasticLayout
 from pipetransformer.train.evaluator import Evaluator
 from pipetransformer.train.optimizer import HeldOptimizer
+from pipetransformer.train.profiling import StepProfiler
 from pipetransformer.train.recorder import (RunRecorder, bar_samples, data_record, stop_record,
                                             warn_if_max_steps_out_of_reach)
 from pipetransformer.train.state import Progress, TrainState
@@ -85,6 +86,7 @@ class Trainer:
         if start_freeze is not None:
             self.recorder.event("freeze", start_freeze)
         self.stop_signals = StopSignals(lone_process=env.world_size == 1)
+        self.profiler = StepProfiler(config.run.profile_steps, self.run_dir, env.rank, env.device)
         self.recorder.write_config(config)
 
     def fit(self) -> dict[str, Any]:
@@ -108,13 +110,15 @@ class Trainer:
                 if not (resumed_mid_epoch and epoch == first_epoch):
                     self.sampler.set_epoch(epoch)
                 while not done:
-                    timer.reset()
+                    timer.reset(synchronize=self.recorder.logs(progress.step + 1))
                     with timer.phase("data"):
                         global_batch = self.sampler.next_global_batch(self.layout.global_batch())
                     if global_batch is None:
                         break
+                    self.profiler.before_step(progress.step + 1)
                     result = self._train_step(global_batch, timer)
                     progress.step += 1
+                    self.profiler.after_step(progress.step)
                     progress.samples += len(global_batch)
                     self.recorder.step(progress, result, len(global_batch), timer, self.layout.plan,
                                        len(self.freezer.frozen))
@@ -140,6 +144,7 @@ class Trainer:
                 self._validate(started)  # the final model, whatever eval_every_steps is
         finally:
             self.stop_signals.restore()
+            self.profiler.close()
             self.recorder.stop()
         return self._finish(started)
 
