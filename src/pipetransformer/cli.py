@@ -309,11 +309,13 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = Path(load_config(args.config, overrides).run.dir or "")
         return _launch_local(args, overrides, worker_threads(config.dist, args.nproc_per_node), run_dir)
     from pipetransformer.train import train
+    from pipetransformer.train.task import task_for
     config = load_config(args.config, overrides)
     summary = train(config)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    shown = ("eval_accuracy", "best_eval_accuracy", "test_accuracy", "test_accuracy_at_best_validation",
+    metric = task_for(config.model.kind).metric
+    shown = (f"eval_{metric}", f"best_eval_{metric}", f"test_{metric}", f"test_{metric}_at_best_validation",
              "wall_time_s", "samples_per_s", "freeze_outcome", "interrupted", "run_dir")
     print(json.dumps({k: summary.get(k) for k in shown if k in summary or k != "interrupted"}, indent=2))
     if ERROR_DIR_ENV in os.environ:  # a local worker: its launcher reports the interruption and exits 130

@@ -87,12 +87,13 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["minilm", "hf", "vit"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT
+    kind: Literal["minilm", "hf", "vit", "decoder"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT, built-in causal decoder (a language model)
     path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`
     hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
     pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)
     vit: dict[str, Any] = field(default_factory=dict)  # kind=vit: build_vit keyword arguments
+    decoder: dict[str, Any] = field(default_factory=dict)  # kind=decoder: build_decoder keyword arguments
 
     @property
     def pretrained(self) -> bool:
@@ -364,7 +365,9 @@ class Config:
         text = self.data.name in ("rotten_tomatoes", "text_csv")
         if text == (self.model.kind == "vit"):
             raise ConfigError(f"data.name={self.data.name} does not fit model.kind={self.model.kind}: "
-                              "use model.kind vit for image data and minilm/hf for text")
+                              "use model.kind vit for image data and minilm/hf/decoder for text")
+        if self.model.kind == "decoder" and self.model.path is not None:
+            raise ConfigError("model.kind=decoder trains the built-in decoder from random weights: remove model.path")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:
             raise ConfigError(f"data.name={self.data.name} needs data.path")
         try:

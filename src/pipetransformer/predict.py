@@ -51,7 +51,12 @@ def read_run(run_dir: Path, weights: str) -> tuple[Config, dict[str, Any], Path]
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     if "class_names" not in summary:
         raise ConfigError(f"{run_dir}/{SUMMARY_FILE} names no classes (a run of an older version): train it again")
-    return load_config(run_dir / CONFIG_FILE), summary, run_dir / WEIGHTS[weights]
+    config = load_config(run_dir / CONFIG_FILE)
+    if config.model.kind == "decoder":
+        raise ConfigError(f"{run_dir} trained a language model (model.kind: decoder): predict and export classify, and "
+                          "generating text from a decoder's run is not built yet; its weights are "
+                          f"{run_dir / WEIGHTS[weights]}")
+    return config, summary, run_dir / WEIGHTS[weights]
 
 
 def load_run_model(run_dir: Path, weights: str = "final") -> RunModel:

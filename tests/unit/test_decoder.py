@@ -117,3 +117,14 @@ def test_a_batch_longer_than_its_positions_is_refused_with_the_setting_to_change
     ids = tokens(1, POSITIONS + 1)
     with pytest.raises(ValueError, match="lower data.max_length or raise max_positions"):
         model(ids, torch.ones_like(ids))
+
+
+def test_every_decoder_setting_is_a_build_decoder_argument_and_documented() -> None:
+    import inspect
+    from pathlib import Path
+
+    from pipetransformer.models.decoder import DECODER_SETTINGS
+
+    assert set(DECODER_SETTINGS) == set(inspect.signature(build_decoder).parameters) - {"vocab_size"}
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert all(f"| `model.decoder.{key}` |" in reference for key in DECODER_SETTINGS)

@@ -92,13 +92,21 @@ class IndexedDataset(Dataset[Item], ABC):
     task: ClassVar[str]
 
     def __init__(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, class_names: Sequence[str]) -> None:
-        if labels.dtype != torch.int64 or labels.dim() != 1:
-            raise ValueError(f"labels must be a 1-D int64 tensor, got {labels.dtype} with shape {tuple(labels.shape)}")
-        if any(t.shape[0] != labels.shape[0] for t in inputs):
+        if labels.dim() == 0 or any(t.shape[0] != labels.shape[0] for t in inputs):
             raise ValueError(
-                f"inputs have {[t.shape[0] for t in inputs]} rows but there are {labels.shape[0]} labels; "
+                f"inputs have {[t.shape[0] for t in inputs]} rows but there are {labels.shape[:1]} labels; "
                 "give one label per row"
             )
+        self._check_labels(inputs, labels, class_names)
+        self._inputs = inputs
+        self.labels = labels
+        self.class_names = tuple(class_names)
+
+    def _check_labels(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, class_names: Sequence[str]) -> None:
+        """A classification dataset's labels: one class id per row, each naming one of ``class_names``. A dataset
+        whose rows carry other targets (a language model's next tokens) checks its own."""
+        if labels.dtype != torch.int64 or labels.dim() != 1:
+            raise ValueError(f"labels must be a 1-D int64 tensor, got {labels.dtype} with shape {tuple(labels.shape)}")
         if len(class_names) == 0:
             raise ValueError("a classification dataset needs at least one class name")
         if labels.numel() > 0 and (int(labels.min()) < 0 or int(labels.max()) >= len(class_names)):
@@ -106,9 +114,6 @@ class IndexedDataset(Dataset[Item], ABC):
                 f"labels must lie in 0..{len(class_names) - 1} (one per class name), "
                 f"got {int(labels.min())}..{int(labels.max())}"
             )
-        self._inputs = inputs
-        self.labels = labels
-        self.class_names = tuple(class_names)
 
     @property
     def num_classes(self) -> int:

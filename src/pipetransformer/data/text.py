@@ -35,6 +35,7 @@ __all__ = [
     "load_text_csv",
     "read_csv",
     "rotten_tomatoes_path",
+    "rotten_tomatoes_texts",
 ]
 
 DEFAULT_MAX_LENGTH = 64
@@ -245,16 +246,8 @@ def rotten_tomatoes_path() -> Path:
     return path
 
 
-def load_rotten_tomatoes(
-    tokenizer: PreTrainedTokenizerBase,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-    test_fraction: float = DEFAULT_TEST_FRACTION,
-    seed: int = 0,
-    limits: SampleLimits = SampleLimits(),
-) -> DataSplits[TextDataset]:
-    """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, in ``seed``-ed train /
-    validation / test splits (80/10/10 by default), each cut to its ``limits``."""
+def _rotten_tomatoes_rows() -> tuple[list[str], list[int]]:
+    """The corpus's review snippets (its ``plot`` summaries dropped, duplicates too) and their labels."""
     rows = read_csv(rotten_tomatoes_path(), ("category", "text"), ROTTEN_TOMATOES_INSTALL_HINT)
     label_of = {name: i for i, name in enumerate(ROTTEN_TOMATOES_CLASSES)}
     texts: list[str] = []
@@ -265,6 +258,25 @@ def load_rotten_tomatoes(
             seen.add(row["text"])
             texts.append(row["text"])
             labels.append(label_of[row["category"]])
+    return texts, labels
+
+
+def rotten_tomatoes_texts() -> list[str]:
+    """Rotten Tomatoes' review snippets, in the corpus's order (a language model's text)."""
+    return _rotten_tomatoes_rows()[0]
+
+
+def load_rotten_tomatoes(
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    seed: int = 0,
+    limits: SampleLimits = SampleLimits(),
+) -> DataSplits[TextDataset]:
+    """Rotten Tomatoes review snippets (fresh = 1, rotten = 0), duplicates dropped, in ``seed``-ed train /
+    validation / test splits (80/10/10 by default), each cut to its ``limits``."""
+    texts, labels = _rotten_tomatoes_rows()
     rows = held_out_splits(_TableRows.of(labels, ROTTEN_TOMATOES_CLASSES), validation_fraction, test_fraction, seed)
     return _tokenized_splits(rows, limits, seed, texts, tokenizer, max_length)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from pipetransformer.models.blocks import BlockSequence, BlockSplitError
+from pipetransformer.models.decoder import build_decoder
 from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, load_tokenizer, minilm_path
 from pipetransformer.models.vit import build_vit, load_vit_backbone
 
 __all__ = ["MODEL_KINDS", "BlockSequence", "BlockSplitError", "build_model", "load_tokenizer", "minilm_path"]
 
-MODEL_KINDS = ("minilm", "hf", "vit")
+MODEL_KINDS = ("minilm", "hf", "vit", "decoder")
 
 
 def build_model(
@@ -21,6 +22,7 @@ def build_model(
     hf_config: dict[str, Any] | None = None,
     pooling: str = "mean",
     vit: dict[str, Any] | None = None,
+    decoder: dict[str, Any] | None = None,
     attn_implementation: str = "sdpa",
 ) -> BlockSequence:
     """The one entry point the trainer calls.
@@ -28,7 +30,9 @@ def build_model(
     ``"minilm"``: the packaged pretrained all-MiniLM-L6-v2; ``"hf"``: pretrained weights from the local
     directory ``path``, or random weights from ``hf_config`` (a dict with ``model_type``); ``"vit"``:
     the built-in ViT with ``vit`` holding ``build_vit``'s keyword arguments except ``num_classes``, and
-    ``path`` an optional backbone file from ``pipetransformer pretrain`` (the head stays freshly initialised).
+    ``path`` an optional backbone file from ``pipetransformer pretrain`` (the head stays freshly initialised);
+    ``"decoder"``: the built-in causal decoder from random weights, ``decoder`` holding ``build_decoder``'s keyword
+    arguments but ``vocab_size``, which is ``num_labels`` (the head predicts a token).
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_KINDS)}")
@@ -43,6 +47,15 @@ def build_model(
         if path is not None:
             load_vit_backbone(model, path)
         return model
+    if kind == "decoder":
+        if path is not None or hf_config is not None or vit is not None:
+            raise ValueError("model kind 'decoder' takes only decoder settings (no path, hf_config or vit)")
+        settings = dict(decoder or {})
+        if "vocab_size" in settings:
+            raise ValueError("do not set vocab_size in the decoder settings: it comes from the data's vocabulary")
+        return build_decoder(**settings, vocab_size=num_labels)
+    if decoder is not None:
+        raise ValueError(f"decoder settings apply only to model kind 'decoder', not {kind!r}: remove them")
     if vit is not None:
         raise ValueError(f"vit settings apply only to model kind 'vit', not {kind!r}: remove them")
     if kind == "minilm":

@@ -9,7 +9,8 @@ import torch
 
 from pipetransformer.config import Config, ConfigError, RunConfig
 from pipetransformer.data import datasets_from_config, small_split_warnings
-from pipetransformer.data.batch import DataSplits, IndexedDataset
+from pipetransformer.data.batch import DataSplits, IndexedDataset, SampleLimits
+from pipetransformer.data.corpus import load_corpus
 from pipetransformer.data.images import ImageDataset
 from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
@@ -42,10 +43,18 @@ def resolve_run_dir(settings: RunConfig) -> Path:
 
 def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     """The config's train, validation and test splits; a loader's complaint becomes a :class:`ConfigError`."""
-    # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it.
-    tokenizer = None if config.model.kind == "vit" else load_tokenizer(config.model.path or minilm_path())
+    data, kind = config.data, config.model.kind
+    # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it. A decoder reads
+    # bytes (data.corpus), so it loads none.
+    tokenizer = None if kind in ("vit", "decoder") else load_tokenizer(config.model.path or minilm_path())
     try:
-        return datasets_from_config(config.data, tokenizer, image_shape=vit_image_shape(config.model.vit))
+        if kind == "decoder":
+            return load_corpus(data.name, max_length=data.max_length, path=data.path, text_column=data.text_column,
+                               encoding=data.encoding, validation_fraction=data.validation_fraction,
+                               test_fraction=data.test_fraction, seed=data.split_seed,
+                               limits=SampleLimits(data.max_train_samples, data.max_eval_samples,
+                                                   data.max_test_samples))
+        return datasets_from_config(data, tokenizer, image_shape=vit_image_shape(config.model.vit))
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
 
@@ -65,6 +74,7 @@ def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSeq
     try:
         model = build_model(m.kind, num_labels=outputs, path=m.path, hf_config=m.hf_config, pooling=m.pooling,
                             vit=dict(m.vit) if m.kind == "vit" else None,
+                            decoder={"max_positions": config.data.max_length, **m.decoder} if m.kind == "decoder" else None,
                             attn_implementation=m.attn_implementation).to(device)
     except (ValueError, TypeError) as error:  # the adapters' messages name the setting
         raise ConfigError(f"model: {error}") from None
@@ -140,7 +150,7 @@ def describe_model(config: Config, model: BlockSequence) -> str:
     """What was built, and from which weights: ``model.kind``, blocks, parameters, and the weights' source."""
     m = config.model
     source = {"minilm": "the packaged all-MiniLM-L6-v2", "hf": m.path or "random init (model.hf_config)",
-              "vit": m.path or "random init"}[m.kind]
+              "vit": m.path or "random init", "decoder": "random init"}[m.kind]
     parameters = sum(p.numel() for p in model.parameters())
     return f"{m.kind}, {len(model)} blocks, {parameters / 1e6:.2f}M parameters, weights: {source}"
 

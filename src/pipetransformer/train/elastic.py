@@ -9,6 +9,7 @@ new place is built (``train.step``). ``rank = replica * stages + stage``; ranks 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ from pipetransformer.train.step import LocalStep, PipelineStep, StepContext, Ste
 if TYPE_CHECKING:  # both import this module
     from pipetransformer.train.autofreeze import AutoFreeze
     from pipetransformer.train.state import Progress
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ElasticLayout", "Placement", "UNIFORM_COST"]
 
@@ -113,10 +116,13 @@ class ElasticLayout:
         plan = self.plan_for(freezer.prefix_blocks(), self.context.prefix.cached_blocks(frozen_layers))
         transition = self.transition(plan, optimizer)
         step, described = progress.step, plan.describe()
+        before = progress.layout_history[-1] if progress.layout_history else None
         progress.layout_history.append({"step": step, "frozen_layers": len(freezer.frozen),
                                         "frozen_prefix_layers": freezer.prefix_layers(), **described})
         if transition is not None:
             progress.transitions.append({"step": step, **transition, **described})
+        if self.env.is_main:
+            logger.info("%s", _layout_line(step, len(freezer.frozen), described, before, transition))
 
     def global_batch(self, width: int | None = None) -> int:
         """The global batch at ``width`` replicas (default: the current width) under ``dp.batch_policy``
@@ -232,3 +238,19 @@ class ElasticLayout:
             costs = broadcast_costs(costs, len(self.model))
         assert costs is not None, "rank 0 profiles the blocks"
         return costs
+
+
+def _shape(layout: dict[str, Any]) -> str:
+    stages, width = layout["stages"], layout["dp_width"]
+    return f"{stages} stage{'s' if stages > 1 else ''} x {width} replica{'s' if width > 1 else ''}"
+
+
+def _layout_line(step: int, frozen: int, layout: dict[str, Any], before: dict[str, Any] | None,
+                transition: dict[str, Any] | None) -> str:
+    """The log's line for a layout: the first one, or a move to a new one after a freeze (what compressed)."""
+    now = f"{_shape(layout)}, {layout['micro_batches']} micro-batch(es), {layout['cached_blocks']} block(s) cached"
+    if before is None:
+        return f"layout: {now}"
+    moved = "" if transition is None else f" ({transition['seconds']:.2f} s, {transition['blocks_moved']} block(s) moved)"
+    return f"layout after step {step}, {frozen} layer(s) frozen: {_shape(before)} -> {now}{moved}"
+

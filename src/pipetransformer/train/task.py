@@ -3,7 +3,7 @@
 As a model's train spec is in torchtitan, a task is passed in, not written into the loop: the step
 executors and the evaluator call it and never name a loss. ``classification()`` is what the CLI trains;
 ``regression()`` predicts one number per sample, an integer label's value (a digit's value from its
-image); other heads (token classification, ...) come through the Python API, ``train(config, task=...)``.
+image); ``causal_lm()`` predicts every next token (``model.kind: decoder`` trains it); other heads (token classification, ...) come through the Python API, ``train(config, task=...)``.
 Its functions are module-level so a task can be sent to spawned worker processes.
 """
 
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from pipetransformer.data.batch import IndexedDataset
+from pipetransformer.data.corpus import IGNORED_TARGET
 
-__all__ = ["Task", "classification", "regression"]
+__all__ = ["Task", "causal_lm", "classification", "regression", "task_for"]
 
 BatchSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(head output, targets) -> sum over the batch's rows``."""
@@ -95,3 +96,28 @@ def regression() -> Task:
     lower is better) as the metric: it reads in the label's own units."""
     return Task(metric="mae", higher_is_better=False, outputs=_one_output, targets=_label_values,
                 loss=_squared_error_sum, sample_metric=_absolute_error)
+
+
+def _token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED_TARGET, reduction="sum")
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's mean negative log-likelihood of its next tokens, in nats."""
+    losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORED_TARGET, reduction="none")
+    counted = (targets != IGNORED_TARGET).sum(dim=1).clamp(min=1)
+    return losses.sum(dim=1) / counted
+
+
+def causal_lm() -> Task:
+    """Next-token prediction: logits ``[B, T, vocab]`` against targets ``[B, T]``; the loss sums over tokens (every
+    window holds the same number, so the sum over the global batch divided by its rows stays exact in any layout);
+    the metric is each row's mean negative log-likelihood (``nll``, nats, lower is better; perplexity is its
+    exponential)."""
+    return Task(metric="nll", higher_is_better=False, outputs=_class_count, targets=_class_ids,
+                loss=_token_cross_entropy_sum, sample_metric=_token_nll)
+
+
+def task_for(model_kind: str) -> Task:
+    """What a config's model learns: a decoder predicts the next token, every other model classifies."""
+    return causal_lm() if model_kind == "decoder" else classification()

@@ -35,7 +35,7 @@ from pipetransformer.train.recorder import (RunRecorder, bar_samples, data_recor
                                             warn_if_max_steps_out_of_reach)
 from pipetransformer.train.state import Progress, TrainState
 from pipetransformer.train.step import StepContext, StepResult
-from pipetransformer.train.task import Task, classification
+from pipetransformer.train.task import Task, task_for
 
 __all__ = ["Trainer", "train"]
 
@@ -48,7 +48,7 @@ class Trainer:
     """Runs one training job on this process (one of the torchrun workers, or alone)."""
 
     def __init__(self, config: Config, task: Task | None = None) -> None:
-        self.config, self.task = config, task or classification()
+        self.config, self.task = config, task or task_for(config.model.kind)
         self.env = env = init_distributed(config.dist)
         seed_everything(config)
         self.run_dir = resolve_run_dir(config.run)
@@ -252,7 +252,7 @@ class Trainer:
 
 def train(config: Config, task: Task | None = None) -> dict[str, Any]:
     """Python API: run ``config`` in this process (join a torchrun job if launched by one); ``task`` defaults to
-    classification."""
+    the model's (``task_for``: classification, or next-token prediction for a decoder)."""
     trainer = Trainer(config, task)
     try:
         return trainer.fit()

@@ -1,0 +1,95 @@
+"""A language model's data and task: documents split before packing, windows whose targets are the next tokens, a
+loss that sums over tokens and a per-row negative log-likelihood; and the one-line refusals around them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipetransformer.config import ConfigError, load_config
+from pipetransformer.data.batch import SampleLimits
+from pipetransformer.data.corpus import END_OF_TEXT, TokenWindows, decode_bytes, encode_bytes, load_corpus
+from pipetransformer.predict import read_run
+from pipetransformer.train.task import causal_lm, task_for
+
+LENGTH = 16
+
+
+def write_csv(path: Path, texts: list[str]) -> Path:
+    path.write_text("text,label\n" + "".join(f'"{text}",x\n' for text in texts), encoding="utf-8")
+    return path
+
+
+def test_bytes_round_trip_through_the_end_of_text_token() -> None:
+    tokens = encode_bytes("naïve café")
+    assert tokens[-1] == END_OF_TEXT and max(tokens[:-1]) < 256
+    assert decode_bytes(tokens + encode_bytes("next")) == "naïve café"
+
+
+def test_windows_hold_the_next_token_at_every_position() -> None:
+    windows = TokenWindows.packed(["abcdefghij", "klmnopqrstuvwxyz"], max_length=4)
+    batch = windows.get_batch(list(range(len(windows))))
+    ids, targets = batch.inputs[0], batch.labels
+    assert torch.equal(ids.flatten()[1:], targets.flatten()[:-1])  # windows overlap by one token, in order
+    assert torch.equal(batch.inputs[1], torch.ones_like(ids))
+    assert windows.num_classes == END_OF_TEXT + 1
+    assert decode_bytes(ids.flatten().tolist()) == "abcdefghij"
+
+
+def test_documents_are_split_before_packing_so_no_window_mixes_the_splits(tmp_path: Path) -> None:
+    texts = [f"document number {i:03d} says its own words" for i in range(60)]
+    splits = load_corpus("text_csv", path=write_csv(tmp_path / "t.csv", texts), max_length=LENGTH, seed=3)
+    seen = []
+    for part in splits:
+        stream = decode_bytes(part.get_batch(list(range(len(part)))).inputs[0].flatten().tolist()
+                              + [END_OF_TEXT])
+        seen.append({t for t in texts if t[:20] in stream})
+    train, validation, test = seen
+    assert validation and test and not (train & validation) and not (train & test) and not (validation & test)
+    again = load_corpus("text_csv", path=tmp_path / "t.csv", max_length=LENGTH, seed=3)
+    assert torch.equal(again.test.input_ids, splits.test.input_ids)
+
+
+def test_sample_limits_count_windows(tmp_path: Path) -> None:
+    texts = [f"text {i} " * 8 for i in range(50)]
+    splits = load_corpus("text_csv", path=write_csv(tmp_path / "t.csv", texts), max_length=LENGTH,
+                         limits=SampleLimits(10, 3, 2))
+    assert [len(part) for part in splits] == [10, 3, 2]
+
+
+def test_too_little_text_for_one_window_says_what_to_change() -> None:
+    with pytest.raises(ValueError, match="make no window of data.max_length=64 inputs: add text or lower"):
+        TokenWindows.packed(["short"], max_length=64)
+
+
+def test_the_loss_sums_every_tokens_cross_entropy_and_the_metric_is_each_rows_mean() -> None:
+    task = causal_lm()
+    logits = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(1))
+    per_token = F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1), reduction="none").view(3, 5)
+    torch.testing.assert_close(task.loss(logits, targets), per_token.sum())
+    torch.testing.assert_close(task.sample_metric(logits, targets), per_token.mean(dim=1))
+    assert task.metric == "nll" and not task.higher_is_better
+    assert task_for("decoder").metric == "nll" and task_for("vit").metric == "accuracy"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.path=weights.safetensors"], "trains the built-in decoder from random weights: remove model.path"),
+    (["data.name=fashion_mnist"], "does not fit model.kind=decoder"),
+])
+def test_a_decoder_config_that_cannot_train_is_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml", overrides)
+
+
+def test_predict_and_export_refuse_a_decoders_run(tmp_path: Path) -> None:
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml"
+    (tmp_path / "config.yaml").write_text(config.read_text())
+    (tmp_path / "summary.json").write_text(json.dumps({"class_names": []}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="trained a language model .* is not built yet"):
+        read_run(tmp_path, "final")
