@@ -249,8 +249,9 @@ def run_training(name: str, config: Path, repeat: int, runs_dir: Path, overrides
                        statistics.fmean(load.samples) if load.samples else None, max(load.samples, default=None),
                        summary, error)
     if result.ok:
-        print(f"  wall {summary['wall_time_s']:.1f} s, best accuracy {summary['best_eval_accuracy']:.4f}, "
-              f"load {result.load_mean:.2f}", flush=True)
+        best = {key.removeprefix("best_eval_"): value for key, value in summary.items() if key.startswith("best_eval_")}
+        shown = ", ".join(f"best {metric} {value:.4f}" for metric, value in best.items() if value is not None)
+        print(f"  wall {summary['wall_time_s']:.1f} s, {shown}, load {result.load_mean:.2f}", flush=True)
     _result_path(runs_dir, name, repeat).write_text(json.dumps(asdict(result), indent=1))
     return result
 
