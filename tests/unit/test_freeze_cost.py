@@ -21,14 +21,18 @@ BATCH = 8
 
 
 class ComputeOps(TorchDispatchMode):
-    """Counts the aten ops that compute (views and aliases are metadata: no kernel)."""
+    """Counts the aten ops that compute (views and aliases are metadata: no kernel), and apart from them the views
+    (no kernel, but a dispatch each on the host)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not func.is_view:
+        if func.is_view:
+            self.views += 1
+        else:
             self.counts[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -63,7 +67,7 @@ def a_step(model: BlockSequence, optimizer: torch.optim.Optimizer) -> None:
     model(torch.randn(BATCH, WIDTH))[0].square().mean().backward()
 
 
-def statistics_ops(parts: int) -> Counter[str]:
+def statistics_ops(parts: int) -> ComputeOps:
     """The ops of one step's statistics (squared norms and descents of every block), after a first step set the
     previous samples."""
     model = model_of(parts)
@@ -77,13 +81,21 @@ def statistics_ops(parts: int) -> Counter[str]:
     with ComputeOps() as ops:
         block_grad_sq_norms(model, blocks)
         history.block_descents(model, blocks)
-    return ops.counts
+    return ops
 
 
 def test_the_statistics_cost_a_fixed_number_of_ops_per_block_whatever_its_parameter_count() -> None:
-    few, many = statistics_ops(parts=1), statistics_ops(parts=8)  # 2 and 16 parameters a block
+    few, many = statistics_ops(parts=1).counts, statistics_ops(parts=8).counts  # 2 and 16 parameters a block
     assert few == many, f"ops that grow with the parameters: {(many - few) or (few - many)}"
     assert sum(few.values()) <= 6 * (LAYERS + 2) + 8, few  # a handful per block and per step, not per parameter
+
+
+def test_the_descent_samples_each_parameter_with_one_view_of_its_weights_and_one_of_its_gradient() -> None:
+    """The views the statistics add per parameter: one strided sample of the weights, one of the gradient (the
+    norms read the gradients whole). Flattening then slicing took three a tensor."""
+    extra_views = statistics_ops(parts=8).views - statistics_ops(parts=1).views
+    extra_parameters = (LAYERS + 1) * (2 * 8 - 2)  # the embeddings and each layer: 16 parameters instead of 2
+    assert extra_views <= 2 * extra_parameters, (extra_views, extra_parameters)
 
 
 def count_syncs(step: Callable[[], None]) -> int:
