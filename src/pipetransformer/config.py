@@ -108,6 +108,7 @@ class DataConfig:
     test_path: str | None = None  # text_csv: a CSV of test rows (same columns); null = a seeded test split of path
     text_column: str = "text"  # text_csv: the column holding the text
     label_column: str = "label"  # text_csv: the column holding the label: class names, whatever they look like ("1" and "5" make 2 classes)
+    response_column: str | None = None  # model.kind=decoder with text_csv: instruction data, one example a row: the text_column is the prompt, this column the response, and the loss reads the response's tokens only (null: the text_column's text, packed)
     encoding: str = "utf-8"  # text_csv: the CSV files' text encoding (e.g. latin-1, cp1252)
     max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
     split_seed: int = 0  # fixes the validation/test split and the subsets, apart from seed: every training seed is scored on the same data
@@ -366,6 +367,9 @@ class Config:
         if text == (self.model.kind == "vit"):
             raise ConfigError(f"data.name={self.data.name} does not fit model.kind={self.model.kind}: "
                               "use model.kind vit for image data and minilm/hf/decoder for text")
+        if self.data.response_column is not None and (self.model.kind != "decoder" or self.data.name != "text_csv"):
+            raise ConfigError("data.response_column (instruction data) is for model.kind: decoder with data.name: "
+                              "text_csv: remove it, or set both")
         if self.model.kind == "decoder" and self.model.path is not None:
             raise ConfigError("model.kind=decoder trains the built-in decoder from random weights: remove model.path")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:

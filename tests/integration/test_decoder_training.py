@@ -56,3 +56,22 @@ def test_a_decoder_pipeline_compresses_into_replicas_served_by_the_cache(tmp_pat
     hits = [r["cache_hit_rate"] for r in cached if r.get("event") == "step" and r.get("cache_hit_rate") is not None]
     # the run's hit rate so far: nothing before the third epoch (filled in the second), every lookup in it a hit
     assert hits[:3] == [0.0] * 3 and hits[-1] == pytest.approx(0.5), hits
+
+
+def _arithmetic(path: Path, rows: int) -> Path:
+    """Instruction data whose prompts and responses differ in length: padded, trimmed and micro-batched rows."""
+    lines = ["question,answer"] + [f'"Q: what is {a} plus {a * 7 % 13}? A:", {a + a * 7 % 13}' for a in range(rows)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_pipelined_decoder_on_instruction_data_trains_as_one_process(tmp_path: Path) -> None:
+    data = ("data.name=text_csv", f"data.path={_arithmetic(tmp_path / 'qa.csv', 160)}", "data.text_column=question",
+            "data.response_column=answer", "data.max_length=40", "data.max_train_samples=null",
+            "data.max_eval_samples=null", "data.max_test_samples=null", "train.max_steps=3")
+    reference, piped = tmp_path / "reference", tmp_path / "piped"
+    run_job(DECODER, reference, *SAVE, *data)
+    run_job(DECODER, piped, *SAVE, *data, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=4", nproc=2)
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
+    assert summary(piped)["test_nll"] == pytest.approx(summary(reference)["test_nll"], rel=RTOL)

@@ -93,3 +93,29 @@ def test_predict_and_export_refuse_a_decoders_run(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="trained a language model .* is not built yet"):
         read_run(tmp_path, "final")
+
+
+def test_instruction_rows_learn_the_response_only_and_keep_it_when_trimmed() -> None:
+    windows = TokenWindows.examples(["Q: hi? A:", "Q: and the long one? A:"], [" yes", " no"], max_length=40)
+    batch = windows.get_batch([0, 1])
+    ids, targets, mask = batch.inputs[0], batch.labels, batch.inputs[1]
+    assert ids.shape == targets.shape == (2, 26)  # trimmed to the longer example (27 tokens), targets with it
+    learned = [bytes(t for t in row.tolist() if 0 <= t < END_OF_TEXT) for row in targets]
+    assert learned == [b" yes", b" no"]
+    first = len("Q: hi? A:") - 1  # the prompt's last token predicts the response's first
+    assert targets[0, :first].eq(-100).all() and targets[0, first] == ord(" ")
+    assert targets[0, mask[0].sum():].eq(-100).all()  # no target past the row's end
+    padded = windows.get_batch([0], pad_to=48)
+    assert padded.labels.shape == (1, 48) and padded.labels[0, 40:].eq(-100).all()
+
+
+def test_an_example_whose_prompt_fills_the_window_is_left_out_and_none_left_is_an_error() -> None:
+    assert len(TokenWindows.examples(["x" * 50, "Q:"], ["lost", " kept"], max_length=40)) == 1
+    with pytest.raises(ValueError, match="no response fits data.max_length=8 after its prompt"):
+        TokenWindows.examples(["a long prompt"], ["answer"], max_length=8)
+
+
+def test_instruction_data_is_for_a_decoder_reading_a_csv() -> None:
+    with pytest.raises(ConfigError, match="data.response_column .* is for model.kind: decoder with data.name: text_csv"):
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml",
+                    ["data.response_column=answer"])

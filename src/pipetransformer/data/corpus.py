@@ -6,6 +6,11 @@ overlap by one: a window's first ``max_length`` tokens are its input and its las
 next token at every position. Windows are fixed once, so a sample's input is the same every epoch (the activation
 cache needs that) and every position of every window has a target. Documents are split before packing, so no
 window mixes training and held-out text; the last window of a split, shorter than the others, is dropped.
+
+Instruction data (``data.response_column``) is not packed: each row is one example, its prompt's bytes then its
+response's and an end-of-text, right-padded to ``max_length`` (longer ones cut at the end). Its targets are the next
+tokens of the response only; the prompt's and the padding's are ``IGNORED_TARGET``, so the loss and the metric read
+what the model is taught to answer.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from pathlib import Path
 from typing import Self
 
 import torch
+import torch.nn.functional as F
 
-from pipetransformer.data.batch import DataSplits, DatasetUnavailableError, SampleLimits, at_most, held_out_splits
+from pipetransformer.data.batch import (Batch, DataSplits, DatasetUnavailableError, SampleLimits, at_most,
+                                        held_out_splits)
 from pipetransformer.data.text import (DEFAULT_ENCODING, DEFAULT_TEXT_COLUMN, TextDataset, _TableRows, read_csv,
                                        rotten_tomatoes_texts)
 
@@ -51,9 +58,21 @@ class TokenWindows(TextDataset):
     the labels are the targets, int64 ``[N, T]`` (the token after each input position). The head's width, the
     dataset's ``num_classes``, is the vocabulary's size."""
 
-    def __init__(self, input_ids: torch.Tensor, targets: torch.Tensor, vocabulary: int = BYTE_VOCABULARY) -> None:
+    def __init__(self, input_ids: torch.Tensor, targets: torch.Tensor, vocabulary: int = BYTE_VOCABULARY,
+                 attention_mask: torch.Tensor | None = None) -> None:
         self.vocabulary = vocabulary
-        super().__init__(input_ids, torch.ones_like(input_ids), targets, (), END_OF_TEXT)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        super().__init__(input_ids, mask, targets, (), END_OF_TEXT)
+
+    def get_batch(self, indices: Sequence[int] | torch.Tensor, pad_to: int | None = None) -> Batch:
+        """The rows' inputs trimmed (or padded) as a text batch is, and their targets cut to the same width: padding
+        positions past a row's end have no target."""
+        batch = super().get_batch(indices, pad_to)
+        width, stored = batch.inputs[0].shape[1], self.max_length
+        targets = batch.labels[:, :width]
+        if width > stored:
+            targets = F.pad(targets, (0, width - stored), value=IGNORED_TARGET)
+        return Batch(batch.indices, batch.inputs, targets)
 
     def _check_labels(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, class_names: Sequence[str]) -> None:
         if labels.dtype != torch.int64 or labels.shape != inputs[0].shape:
@@ -73,7 +92,8 @@ class TokenWindows(TextDataset):
         return index, (self.input_ids[index], self.attention_mask[index]), self.labels[index]
 
     def select(self, positions: torch.Tensor) -> Self:
-        return type(self)(self.input_ids[positions], self.labels[positions], self.vocabulary)
+        return type(self)(self.input_ids[positions], self.labels[positions], self.vocabulary,
+                          self.attention_mask[positions])
 
     @classmethod
     def packed(cls, documents: Sequence[str], max_length: int) -> TokenWindows:
@@ -85,6 +105,34 @@ class TokenWindows(TextDataset):
                              "inputs: add text or lower data.max_length")
         used = stream[:windows * max_length + 1]
         return cls(used[:-1].view(windows, max_length).clone(), used[1:].view(windows, max_length).clone())
+
+
+    @classmethod
+    def examples(cls, prompts: Sequence[str], responses: Sequence[str], max_length: int) -> TokenWindows:
+        """One row per prompt and response, right-padded to ``max_length``; targets on the response only. An example
+        whose prompt fills the window leaves no response token to learn and is left out (a metric of nothing would
+        read as a perfect 0)."""
+        rows, targets = [], []
+        for prompt, response in zip(prompts, responses, strict=True):
+            prompt_tokens = list(prompt.encode("utf-8"))
+            if len(prompt_tokens) > max_length:
+                continue
+            tokens = [*prompt_tokens, *encode_bytes(response)][:max_length + 1]
+            answered = max(len(prompt_tokens) - 1, 0)  # the last prompt token predicts the response's first
+            rows.append(tokens[:-1])
+            targets.append([IGNORED_TARGET] * answered + tokens[1 + answered:])
+        if not rows:
+            raise ValueError(f"no response fits data.max_length={max_length} after its prompt: raise "
+                             "data.max_length or shorten the prompts")
+        width = max_length
+        ids = torch.full((len(rows), width), END_OF_TEXT, dtype=torch.int64)
+        mask = torch.zeros((len(rows), width), dtype=torch.int64)
+        labels = torch.full((len(rows), width), IGNORED_TARGET, dtype=torch.int64)
+        for row, (tokens, target) in enumerate(zip(rows, targets, strict=True)):
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            mask[row, :len(tokens)] = 1
+            labels[row, :len(target)] = torch.tensor(target, dtype=torch.int64)
+        return cls(ids, labels, attention_mask=mask)
 
 
 def _texts(name: str, path: str | Path | None, text_column: str, encoding: str) -> list[str]:
@@ -101,11 +149,33 @@ def _texts(name: str, path: str | Path | None, text_column: str, encoding: str) 
     return texts
 
 
+def _instructions(path: str | Path | None, prompt_column: str, response_column: str,
+                  encoding: str) -> tuple[list[str], list[str]]:
+    if path is None or not Path(path).is_file():
+        raise DatasetUnavailableError(f"no CSV file at {path}; set data.path to a CSV with columns {prompt_column!r} "
+                                      f"and {response_column!r}")
+    rows = read_csv(Path(path), (prompt_column, response_column), "set data.text_column to the prompts' column and "
+                    "data.response_column to the responses'", encoding)
+    kept = [(row[prompt_column], row[response_column]) for _, row in rows if row[response_column].strip()]
+    if not kept:
+        raise ValueError(f"{path} has no response in column {response_column!r}; add rows")
+    return [prompt for prompt, _ in kept], [response for _, response in kept]
+
+
 def load_corpus(name: str, *, max_length: int, path: str | Path | None = None, text_column: str = DEFAULT_TEXT_COLUMN,
-                encoding: str = DEFAULT_ENCODING, validation_fraction: float = 0.1, test_fraction: float = 0.1,
-                seed: int = 0, limits: SampleLimits = SampleLimits()) -> DataSplits[TokenWindows]:
+                response_column: str | None = None, encoding: str = DEFAULT_ENCODING,
+                validation_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
+                limits: SampleLimits = SampleLimits()) -> DataSplits[TokenWindows]:
     """Train / validation / test windows of a corpus (Rotten Tomatoes' snippets, or a CSV's text column): documents
-    split by ``seed``-ed fractions, each split packed, then cut to its ``limits`` (in windows)."""
+    split by ``seed``-ed fractions, each split packed, then cut to its ``limits`` (in windows). With
+    ``response_column`` (a CSV of prompts and responses) each row is one example instead (:meth:`TokenWindows.examples`)."""
+    if response_column is not None:
+        prompts, responses = _instructions(path, text_column, response_column, encoding)
+        table = _TableRows.of([0] * len(prompts), ("example",))
+        splits = held_out_splits(table, validation_fraction, test_fraction, seed)
+        return at_most(DataSplits(*(TokenWindows.examples([prompts[r] for r in part.rows.tolist()],
+                                                          [responses[r] for r in part.rows.tolist()], max_length)
+                                    for part in splits)), limits, seed)
     texts = _texts(name, path, text_column, encoding)
     documents = _TableRows.of([0] * len(texts), ("text",))  # split like samples, before packing
     splits = held_out_splits(documents, validation_fraction, test_fraction, seed)

@@ -50,7 +50,7 @@ def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     try:
         if kind == "decoder":
             return load_corpus(data.name, max_length=data.max_length, path=data.path, text_column=data.text_column,
-                               encoding=data.encoding, validation_fraction=data.validation_fraction,
+                               response_column=data.response_column, encoding=data.encoding, validation_fraction=data.validation_fraction,
                                test_fraction=data.test_fraction, seed=data.split_seed,
                                limits=SampleLimits(data.max_train_samples, data.max_eval_samples,
                                                    data.max_test_samples))
