@@ -49,6 +49,8 @@ AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
 is left out so the launcher handles Ctrl-C itself and the workers have the time their checkpoint takes."""
 WEIGHT_CHOICES = ("final", "best")
 """``predict``/``export --weights``: model.safetensors or best-validation.safetensors of the run."""
+DEFAULT_NEW_TOKENS = 64
+"""``predict --max-new-tokens``: the bytes a decoder's greedy continuation may take."""
 TORCHRUN_LOG_DIR = "torchrun"
 PID_FILE_PREFIX = "pid-rank"
 """+ rank: each local worker writes its process id into the error directory, for the launcher to forward Ctrl-C."""
@@ -118,12 +120,15 @@ def _parser() -> argparse.ArgumentParser:
                           help="do nothing when --out already exists (a command that sets up once, then reuses it)")
     pretrain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     predict = commands.add_parser("predict",
-                                  help="a trained run's predictions for a CSV of texts or a folder of images")
+                                  help="a trained run's predictions for a CSV of texts or a folder of images; a "
+                                       "language model's continuations of a CSV's prompts")
     predict.add_argument("run_dir", help="a run directory that training wrote (config.yaml, summary.json, weights)")
     predict.add_argument("--input", required=True, help="a CSV with the run's data.text_column, or a folder of images")
     predict.add_argument("--output", default=None, help="CSV to write (default: RUN_DIR/predictions.csv)")
     predict.add_argument("--weights", choices=WEIGHT_CHOICES, default="final",
                          help="the final weights, or those of the best validation")
+    predict.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                         help="a language model's run: the most bytes each continuation takes (greedy)")
     export = commands.add_parser("export", help="a trained Hugging Face text model as a directory transformers loads")
     export.add_argument("run_dir")
     export.add_argument("out", help="directory to write (AutoModel.from_pretrained loads it)")
@@ -437,8 +442,10 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     from pipetransformer.predict import predict_command
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     return predict_command(Path(args.run_dir), Path(args.input), Path(args.output) if args.output else None,
-                           args.weights)
+                           args.weights, args.max_new_tokens)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -48,6 +48,9 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
     from pipetransformer.predict import CONFIG_FILE, load_run_model
 
     run = load_run_model(run_dir, weights)
+    if run.config.model.kind == "decoder":
+        raise ConfigError(f"{run_dir} trained a language model (model.kind: decoder): its export is not built yet; "
+                          "pipetransformer predict continues prompts with it")
     if run.model.task == "image":
         model, processor, loads = _image_export(run)
     else:

@@ -1,4 +1,5 @@
-"""``pipetransformer predict RUN_DIR --input FILE``: a trained run's model on new texts (a CSV) or images (a folder).
+"""``pipetransformer predict RUN_DIR --input FILE``: a trained run's model on new texts (a CSV) or images (a folder);
+a language model's run continues the CSV's prompts.
 
 Everything comes from the run directory: its ``config.yaml`` rebuilds the model, ``model.safetensors`` (or
 ``best-validation.safetensors``) fills it, ``summary.json`` names the classes in the head's order and, for images,
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 
 from pipetransformer.config import Config, ConfigError, load_config
+from pipetransformer.data.corpus import BYTE_VOCABULARY
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["RunModel", "WEIGHTS", "load_run_model", "predict_command", "predict_inputs", "read_run"]
+__all__ = ["RunModel", "WEIGHTS", "continue_prompts", "load_run_model", "predict_command", "predict_inputs", "read_run"]
 
 WEIGHTS = {"final": "model.safetensors", "best": "best-validation.safetensors"}
 """``--weights``: the run's final weights, or those of its best validation (kept with checkpoints on)."""
@@ -51,12 +53,7 @@ def read_run(run_dir: Path, weights: str) -> tuple[Config, dict[str, Any], Path]
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     if "class_names" not in summary:
         raise ConfigError(f"{run_dir}/{SUMMARY_FILE} names no classes (a run of an older version): train it again")
-    config = load_config(run_dir / CONFIG_FILE)
-    if config.model.kind == "decoder":
-        raise ConfigError(f"{run_dir} trained a language model (model.kind: decoder): predict and export classify, and "
-                          "generating text from a decoder's run is not built yet; its weights are "
-                          f"{run_dir / WEIGHTS[weights]}")
-    return config, summary, run_dir / WEIGHTS[weights]
+    return load_config(run_dir / CONFIG_FILE), summary, run_dir / WEIGHTS[weights]
 
 
 def load_run_model(run_dir: Path, weights: str = "final") -> RunModel:
@@ -66,7 +63,8 @@ def load_run_model(run_dir: Path, weights: str = "final") -> RunModel:
     from pipetransformer.train.build import build_blocks
 
     config, summary, path = read_run(run_dir, weights)
-    model = build_blocks(config, len(summary["class_names"]), torch.device("cpu"))
+    outputs = BYTE_VOCABULARY if config.model.kind == "decoder" else len(summary["class_names"])
+    model = build_blocks(config, outputs, torch.device("cpu"))
     with torch.no_grad():
         model.load_state_dict(load_file(str(path)))
     return RunModel(config, model.eval(), list(summary["class_names"]), summary)
@@ -133,9 +131,56 @@ def predict_inputs(run: RunModel, source: Path) -> tuple[list[str], torch.Tensor
     return names, torch.cat(probabilities)
 
 
-def predict_command(run_dir: Path, source: Path, output: Path | None, weights: str) -> int:
-    """Write one CSV row per input: its name, the predicted class name and probability, every class's probability."""
+def continue_prompts(run: RunModel, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """A decoder's greedy continuation of each prompt (its UTF-8 bytes): the likeliest next byte, appended until the
+    end-of-text token, ``max_new_tokens`` bytes, or the model's last position. The whole window runs again for every
+    token (no key-value cache): the built-in decoder is small and its windows short."""
+    from pipetransformer.data.corpus import END_OF_TEXT, decode_bytes
+
+    positions = run.model.blocks[0].max_positions
+    continuations = []
+    with torch.no_grad():
+        for prompt in prompts:
+            tokens = list(prompt.encode("utf-8"))[-positions + 1:] or [END_OF_TEXT]
+            new: list[int] = []
+            while len(new) < max_new_tokens:
+                window = torch.tensor([(tokens + new)[-positions:]], dtype=torch.int64)
+                token = int(run.model(window, torch.ones_like(window))[0, -1].argmax())
+                if token == END_OF_TEXT:
+                    break
+                new.append(token)
+            continuations.append(decode_bytes(new))
+    return continuations
+
+
+def _generate_command(run: RunModel, source: Path, output: Path, max_new_tokens: int) -> int:
+    from pipetransformer.data.text import read_csv
+
+    column = run.config.data.text_column
+    if not source.is_file():
+        raise ConfigError(f"--input {source}: a language model continues the prompts of a CSV's {column!r} column")
+    try:
+        rows = read_csv(source, (column,), f"name the prompts' column {column!r} (data.text_column)",
+                        run.config.data.encoding)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    prompts = [row[column] for _, row in rows]
+    continuations = continue_prompts(run, prompts, max_new_tokens)
+    with output.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["input", "prompt", "continuation"])
+        for (line, _), prompt, continuation in zip(rows, prompts, continuations, strict=True):
+            writer.writerow([f"line {line}", prompt, continuation])
+    print(f"{len(prompts)} continuations (greedy, at most {max_new_tokens} bytes) written to {output}")
+    return 0
+
+
+def predict_command(run_dir: Path, source: Path, output: Path | None, weights: str, max_new_tokens: int) -> int:
+    """Write one CSV row per input: its name, the predicted class name and probability, every class's probability;
+    for a language model (``model.kind: decoder``), the prompt and its continuation."""
     run = load_run_model(run_dir, weights)
+    if run.config.model.kind == "decoder":
+        return _generate_command(run, source, output or run_dir / DEFAULT_OUTPUT, max_new_tokens)
     names, probabilities = predict_inputs(run, source)
     output = output or run_dir / DEFAULT_OUTPUT
     best, index = probabilities.max(dim=-1)

@@ -4,7 +4,10 @@ from the cache, each equal to one process training the same samples."""
 
 from __future__ import annotations
 
+import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,15 @@ def test_a_pipelined_decoder_trains_as_one_process(tmp_path: Path) -> None:
     assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
     assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
     assert summary(piped)["test_nll"] == pytest.approx(summary(reference)["test_nll"], rel=RTOL)
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text('text\n"The film is"\n"I loved"\n', encoding="utf-8")
+    out = tmp_path / "continued.csv"
+    done = subprocess.run([sys.executable, "-m", "pipetransformer.cli", "predict", str(piped), "--input", str(prompts),
+                           "--output", str(out), "--max-new-tokens", "8"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert [row["prompt"] for row in rows] == ["The film is", "I loved"]
+    assert all(len(row["continuation"].encode()) <= 8 * 3 for row in rows)  # 8 bytes, a U+FFFD (3 bytes) each at most
 
 
 def test_a_decoder_pipeline_compresses_into_replicas_served_by_the_cache(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from pipetransformer.config import ConfigError, load_config
 from pipetransformer.data.batch import SampleLimits
 from pipetransformer.data.corpus import END_OF_TEXT, TokenWindows, decode_bytes, encode_bytes, load_corpus
-from pipetransformer.predict import read_run
 from pipetransformer.train.task import causal_lm, task_for
 
 LENGTH = 16
@@ -86,13 +85,26 @@ def test_a_decoder_config_that_cannot_train_is_refused_in_one_line(overrides: li
         load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml", overrides)
 
 
-def test_predict_and_export_refuse_a_decoders_run(tmp_path: Path) -> None:
+def test_a_decoders_run_continues_prompts_and_refuses_export_in_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from pipetransformer.config import load_config as load
+    from pipetransformer.export import export_command
+    from pipetransformer.predict import continue_prompts, load_run_model
+    from pipetransformer.train.build import build_blocks
+
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml"
     (tmp_path / "config.yaml").write_text(config.read_text())
     (tmp_path / "summary.json").write_text(json.dumps({"class_names": []}))
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match="trained a language model .* is not built yet"):
-        read_run(tmp_path, "final")
+    torch.manual_seed(0)
+    model = build_blocks(load(config), 257, torch.device("cpu"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    run = load_run_model(tmp_path)
+    first, second = continue_prompts(run, ["The film is", ""], max_new_tokens=5), \
+        continue_prompts(run, ["The film is", ""], max_new_tokens=5)
+    assert first == second and all(len(text.encode("utf-8", errors="replace")) <= 5 * 3 for text in first)
+    with pytest.raises(ConfigError, match="trained a language model .* export is not built yet"):
+        export_command(tmp_path, tmp_path / "out", "final")
 
 
 def test_instruction_rows_learn_the_response_only_and_keep_it_when_trimmed() -> None:
