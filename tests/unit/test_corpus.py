@@ -85,26 +85,42 @@ def test_a_decoder_config_that_cannot_train_is_refused_in_one_line(overrides: li
         load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml", overrides)
 
 
-def test_a_decoders_run_continues_prompts_and_refuses_export_in_one_line(tmp_path: Path) -> None:
+def test_a_decoders_run_continues_prompts_and_exports_as_gpt2_that_generates_the_same(tmp_path: Path) -> None:
+    """The export is the standard GPT-2 class with a byte-level tokenizer giving the run's ids: its logits are the
+    run's, and ``generate`` (greedy, with its key-value cache) continues a prompt as ``predict`` does."""
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipetransformer.config import load_config as load
-    from pipetransformer.export import export_command
+    from pipetransformer.export import EXACT_ATOL, export_command
     from pipetransformer.predict import continue_prompts, load_run_model
     from pipetransformer.train.build import build_blocks
 
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml"
-    (tmp_path / "config.yaml").write_text(config.read_text())
-    (tmp_path / "summary.json").write_text(json.dumps({"class_names": []}))
+    run_dir, out = tmp_path / "run", tmp_path / "exported"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(config.read_text())
+    (run_dir / "summary.json").write_text(json.dumps({"class_names": [], "test_nll": 2.5, "steps": 10}))
     torch.manual_seed(0)
-    model = build_blocks(load(config), 257, torch.device("cpu"))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    run = load_run_model(tmp_path)
-    first, second = continue_prompts(run, ["The film is", ""], max_new_tokens=5), \
-        continue_prompts(run, ["The film is", ""], max_new_tokens=5)
-    assert first == second and all(len(text.encode("utf-8", errors="replace")) <= 5 * 3 for text in first)
-    with pytest.raises(ConfigError, match="trained a language model .* export is not built yet"):
-        export_command(tmp_path, tmp_path / "out", "final")
+    model = build_blocks(load_config(config), 257, torch.device("cpu"))
+    with torch.no_grad():  # weights far from init, so the logits tell the models apart
+        for parameter in model.parameters():
+            parameter.normal_(std=0.3)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(run_dir / "model.safetensors"))
+    run = load_run_model(run_dir)
+    prompt, new = "The film is é", 12
+    continued = continue_prompts(run, [prompt], max_new_tokens=new)[0]
+    export_command(run_dir, out, "final")
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert type(exported).__name__ == "GPT2LMHeadModel" and ids[0].tolist() == list(prompt.encode("utf-8"))
+    with torch.no_grad():
+        gap = (exported(input_ids=ids).logits - run.model(ids, torch.ones_like(ids))).abs().max()
+    assert gap <= EXACT_ATOL
+    generated = exported.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  do_sample=False, eos_token_id=256, pad_token_id=256)[0, ids.shape[1]:].tolist()
+    assert tokenizer.decode([t for t in generated if t != 256]) == continued
+    assert "perplexity" in (out / "README.md").read_text()
 
 
 def test_instruction_rows_learn_the_response_only_and_keep_it_when_trimmed() -> None:
