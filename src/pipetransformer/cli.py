@@ -158,6 +158,9 @@ def _check_before_launch(config: Config, world_size: int) -> None:
     if config.model.kind == "hf" and config.model.path and not (Path(config.model.path) / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"model.path={config.model.path} holds no Hugging Face model (no {HF_CONFIG_FILE}): "
                           "point it at a local directory saved with save_pretrained")
+    if config.model.kind == "decoder" and config.model.path and not Path(config.model.path).is_file():
+        raise ConfigError(f"model.path={config.model.path} does not exist: give an earlier decoder run's "
+                          "model.safetensors, or remove model.path to start from random weights")
     if config.model.kind == "vit" and config.model.path and not Path(config.model.path).is_file():
         raise ConfigError(f"model.path={config.model.path} does not exist: create a ViT backbone with "
                           f"`pipetransformer pretrain CONFIG --out {config.model.path}` or remove model.path")

@@ -88,7 +88,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     kind: Literal["minilm", "hf", "vit", "decoder"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT, built-in causal decoder (a language model)
-    path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`
+    path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`; kind=decoder: an earlier decoder run's model.safetensors (fine-tuning it)
     hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
     pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)
@@ -370,8 +370,6 @@ class Config:
         if self.data.response_column is not None and (self.model.kind != "decoder" or self.data.name != "text_csv"):
             raise ConfigError("data.response_column (instruction data) is for model.kind: decoder with data.name: "
                               "text_csv: remove it, or set both")
-        if self.model.kind == "decoder" and self.model.path is not None:
-            raise ConfigError("model.kind=decoder trains the built-in decoder from random weights: remove model.path")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:
             raise ConfigError(f"data.name={self.data.name} needs data.path")
         try:

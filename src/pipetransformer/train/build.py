@@ -150,7 +150,7 @@ def describe_model(config: Config, model: BlockSequence) -> str:
     """What was built, and from which weights: ``model.kind``, blocks, parameters, and the weights' source."""
     m = config.model
     source = {"minilm": "the packaged all-MiniLM-L6-v2", "hf": m.path or "random init (model.hf_config)",
-              "vit": m.path or "random init", "decoder": "random init"}[m.kind]
+              "vit": m.path or "random init", "decoder": m.path or "random init"}[m.kind]
     parameters = sum(p.numel() for p in model.parameters())
     return f"{m.kind}, {len(model)} blocks, {parameters / 1e6:.2f}M parameters, weights: {source}"
 
