@@ -146,7 +146,8 @@ first step, then the coherence test up to half the layers): split 53's archived 
 unpacked under its name (``LOG.md``, 2026-12-04). ``descent_third`` is the descent test with at most a third of the
 layers frozen, the second candidate of round ``descent`` (LOG, 2026-12-04). ``descent_t2`` and ``descent_t3`` ask for
 a steeper loss rise before a layer stops (t below -2 or -3 for two windows), round ``depth`` (development data, LOG
-2026-12-05): on split 54 the bottom two image layers read -3.5 where the third read -2.9 and those above -2.2 to -2.5."""
+2026-12-05): on split 54 the bottom two image layers read -3.5 where the third read -2.9 and those above -2.2 to
+-2.5."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not

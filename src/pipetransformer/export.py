@@ -359,8 +359,8 @@ def _what(kind: str, summary: dict[str, Any]) -> str:
 
 def _test_row(accuracy: Any, nll: Any) -> str:
     if isinstance(nll, (int, float)):
-        return (f"| test loss | {nll:.4f} nats a token, perplexity {math.exp(nll):.2f} (the final model, evaluated once "
-                "at the end) |")
+        return (f"| test loss | {nll:.4f} nats a token, perplexity {math.exp(nll):.2f} (the final model, evaluated "
+                "once at the end) |")
     if isinstance(accuracy, (int, float)):
         return f"| test accuracy | {accuracy * PERCENT:.2f}% (the final model, evaluated once at the end) |"
     return "| test accuracy | not evaluated (the run did not finish) |"

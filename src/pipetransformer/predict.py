@@ -23,7 +23,8 @@ from pipetransformer.config import Config, ConfigError, load_config
 from pipetransformer.data.corpus import BYTE_VOCABULARY
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["RunModel", "WEIGHTS", "continue_prompts", "load_run_model", "predict_command", "predict_inputs", "read_run"]
+__all__ = ["RunModel", "WEIGHTS", "continue_prompts", "load_run_model", "predict_command", "predict_inputs",
+           "read_run"]
 
 WEIGHTS = {"final": "model.safetensors", "best": "best-validation.safetensors"}
 """``--weights``: the run's final weights, or those of its best validation (kept with checkpoints on)."""

@@ -54,9 +54,9 @@ def decode_bytes(tokens: Sequence[int]) -> str:
 
 
 class TokenWindows(TextDataset):
-    """Packed windows for next-token prediction: ``input_ids`` and an all-ones ``attention_mask``, int64 ``[N, T]``;
-    the labels are the targets, int64 ``[N, T]`` (the token after each input position). The head's width, the
-    dataset's ``num_classes``, is the vocabulary's size."""
+    """Rows for next-token prediction: ``input_ids`` and a right-padded ``attention_mask`` (all ones for packed
+    windows), int64 ``[N, T]``; the labels are the targets, int64 ``[N, T]`` (the token after each input position, or
+    ``IGNORED_TARGET``). The head's width, the dataset's ``num_classes``, is the vocabulary's size."""
 
     def __init__(self, input_ids: torch.Tensor, targets: torch.Tensor, vocabulary: int = BYTE_VOCABULARY,
                  attention_mask: torch.Tensor | None = None) -> None:
@@ -106,7 +106,6 @@ class TokenWindows(TextDataset):
         used = stream[:windows * max_length + 1]
         return cls(used[:-1].view(windows, max_length).clone(), used[1:].view(windows, max_length).clone())
 
-
     @classmethod
     def examples(cls, prompts: Sequence[str], responses: Sequence[str], max_length: int) -> TokenWindows:
         """One row per prompt and response, right-padded to ``max_length``; targets on the response only. An example
@@ -124,10 +123,9 @@ class TokenWindows(TextDataset):
         if not rows:
             raise ValueError(f"no response fits data.max_length={max_length} after its prompt: raise "
                              "data.max_length or shorten the prompts")
-        width = max_length
-        ids = torch.full((len(rows), width), END_OF_TEXT, dtype=torch.int64)
-        mask = torch.zeros((len(rows), width), dtype=torch.int64)
-        labels = torch.full((len(rows), width), IGNORED_TARGET, dtype=torch.int64)
+        ids = torch.full((len(rows), max_length), END_OF_TEXT, dtype=torch.int64)
+        mask = torch.zeros((len(rows), max_length), dtype=torch.int64)
+        labels = torch.full((len(rows), max_length), IGNORED_TARGET, dtype=torch.int64)
         for row, (tokens, target) in enumerate(zip(rows, targets, strict=True)):
             ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             mask[row, :len(tokens)] = 1
@@ -168,7 +166,8 @@ def load_corpus(name: str, *, max_length: int, path: str | Path | None = None, t
                 limits: SampleLimits = SampleLimits()) -> DataSplits[TokenWindows]:
     """Train / validation / test windows of a corpus (Rotten Tomatoes' snippets, or a CSV's text column): documents
     split by ``seed``-ed fractions, each split packed, then cut to its ``limits`` (in windows). With
-    ``response_column`` (a CSV of prompts and responses) each row is one example instead (:meth:`TokenWindows.examples`)."""
+    ``response_column`` (a CSV of prompts and responses) each row is one example instead
+    (:meth:`TokenWindows.examples`)."""
     if response_column is not None:
         prompts, responses = _instructions(path, text_column, response_column, encoding)
         table = _TableRows.of([0] * len(prompts), ("example",))

@@ -50,10 +50,10 @@ def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     try:
         if kind == "decoder":
             return load_corpus(data.name, max_length=data.max_length, path=data.path, text_column=data.text_column,
-                               response_column=data.response_column, encoding=data.encoding, validation_fraction=data.validation_fraction,
-                               test_fraction=data.test_fraction, seed=data.split_seed,
-                               limits=SampleLimits(data.max_train_samples, data.max_eval_samples,
-                                                   data.max_test_samples))
+                               response_column=data.response_column, encoding=data.encoding,
+                               validation_fraction=data.validation_fraction, test_fraction=data.test_fraction,
+                               seed=data.split_seed, limits=SampleLimits(data.max_train_samples, data.max_eval_samples,
+                                                                         data.max_test_samples))
         return datasets_from_config(data, tokenizer, image_shape=vit_image_shape(config.model.vit))
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
@@ -74,7 +74,8 @@ def build_blocks(config: Config, outputs: int, device: torch.device) -> BlockSeq
     try:
         model = build_model(m.kind, num_labels=outputs, path=m.path, hf_config=m.hf_config, pooling=m.pooling,
                             vit=dict(m.vit) if m.kind == "vit" else None,
-                            decoder={"max_positions": config.data.max_length, **m.decoder} if m.kind == "decoder" else None,
+                            decoder=({"max_positions": config.data.max_length, **m.decoder} if m.kind == "decoder"
+                                     else None),
                             attn_implementation=m.attn_implementation).to(device)
     except (ValueError, TypeError) as error:  # the adapters' messages name the setting
         raise ConfigError(f"model: {error}") from None

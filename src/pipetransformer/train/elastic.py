@@ -246,11 +246,11 @@ def _shape(layout: dict[str, Any]) -> str:
 
 
 def _layout_line(step: int, frozen: int, layout: dict[str, Any], before: dict[str, Any] | None,
-                transition: dict[str, Any] | None) -> str:
+                 transition: dict[str, Any] | None) -> str:
     """The log's line for a layout: the first one, or a move to a new one after a freeze (what compressed)."""
     now = f"{_shape(layout)}, {layout['micro_batches']} micro-batch(es), {layout['cached_blocks']} block(s) cached"
     if before is None:
         return f"layout: {now}"
-    moved = "" if transition is None else f" ({transition['seconds']:.2f} s, {transition['blocks_moved']} block(s) moved)"
+    moved = ("" if transition is None
+             else f" ({transition['seconds']:.2f} s, {transition['blocks_moved']} block(s) moved)")
     return f"layout after step {step}, {frozen} layer(s) frozen: {_shape(before)} -> {now}{moved}"
-

@@ -3,7 +3,8 @@
 As a model's train spec is in torchtitan, a task is passed in, not written into the loop: the step
 executors and the evaluator call it and never name a loss. ``classification()`` is what the CLI trains;
 ``regression()`` predicts one number per sample, an integer label's value (a digit's value from its
-image); ``causal_lm()`` predicts every next token (``model.kind: decoder`` trains it); other heads (token classification, ...) come through the Python API, ``train(config, task=...)``.
+image); ``causal_lm()`` predicts every next token (``model.kind: decoder`` trains it); other heads (token
+classification, ...) come through the Python API, ``train(config, task=...)``.
 Its functions are module-level so a task can be sent to spawned worker processes.
 """
 
@@ -110,10 +111,9 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm() -> Task:
-    """Next-token prediction: logits ``[B, T, vocab]`` against targets ``[B, T]``; the loss sums over tokens (every
-    window holds the same number, so the sum over the global batch divided by its rows stays exact in any layout);
-    the metric is each row's mean negative log-likelihood (``nll``, nats, lower is better; perplexity is its
-    exponential)."""
+    """Next-token prediction: logits ``[B, T, vocab]`` against targets ``[B, T]``; the loss sums over the tokens
+    that have a target (a sum, so the global batch's divided by its rows is the same in any layout); the metric is
+    each row's mean negative log-likelihood (``nll``, nats, lower is better; perplexity is its exponential)."""
     return Task(metric="nll", higher_is_better=False, outputs=_class_count, targets=_class_ids,
                 loss=_token_cross_entropy_sum, sample_metric=_token_nll)
 
