@@ -129,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="the final weights, or those of the best validation")
     predict.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                          help="a language model's run: the most bytes each continuation takes (greedy)")
-    export = commands.add_parser("export", help="a trained Hugging Face text model as a directory transformers loads")
+    export = commands.add_parser("export", help="a trained run as a directory transformers loads (a classifier with "
+                                                 "its trained head; a decoder as GPT-2)")
     export.add_argument("run_dir")
     export.add_argument("out", help="directory to write (AutoModel.from_pretrained loads it)")
     export.add_argument("--weights", choices=WEIGHT_CHOICES, default="final")

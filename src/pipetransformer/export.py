@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pipetransformer.config import Config, ConfigError
+from pipetransformer.data.corpus import END_OF_TEXT
 
 __all__ = ["EXACT_ATOL", "export_command"]
 
@@ -44,7 +45,6 @@ TRAINING_CONFIG_FILE = "training_config.yaml"
 CARD_FILE = "README.md"
 PERCENT = 100.0
 END_OF_TEXT_TOKEN = "<|endoftext|>"
-END_OF_TEXT_ID = 256
 """The byte-level vocabulary's end-of-text token (``data.corpus.END_OF_TEXT``), as GPT-2 names it."""
 GREY_FROM_RGB = (0.299, 0.587, 0.114)
 """Pillow's ``convert("L")`` weights (ITU-R 601-2). ``pipeline("image-classification")`` hands every image over as RGB,
@@ -252,7 +252,7 @@ def byte_tokenizer() -> Any:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    vocab[END_OF_TEXT_TOKEN] = END_OF_TEXT_ID
+    vocab[END_OF_TEXT_TOKEN] = END_OF_TEXT
     return GPT2Tokenizer(vocab=vocab, merges=[], add_prefix_space=False)
 
 
@@ -270,7 +270,7 @@ def _decoder_export(run: Any) -> tuple[nn.Module, Any, str]:
                         n_layer=len(layers), n_head=layers[0].heads, n_inner=layers[0].mlp[0].out_features,
                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         layer_norm_epsilon=layers[0].attention_norm.eps, tie_word_embeddings=False,
-                        bos_token_id=END_OF_TEXT_ID, eos_token_id=END_OF_TEXT_ID)
+                        bos_token_id=END_OF_TEXT, eos_token_id=END_OF_TEXT)
     with quiet_transformers():
         model = GPT2LMHeadModel(config).eval()
     source = model.transformer
