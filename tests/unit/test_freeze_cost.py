@@ -16,6 +16,8 @@ from pipetransformer.freeze.apply import PreviousWeights, block_grad_sq_norms
 from pipetransformer.models.blocks import BlockSequence
 
 WIDTH = 64
+HOST_READ = "aten._local_scalar_dense"
+"""The op behind ``.item()``, ``float(t)`` and ``bool(t)``: a copy of one value to the host, which waits for a GPU."""
 LAYERS = 3
 BATCH = 8
 
@@ -88,6 +90,7 @@ def test_the_statistics_cost_a_fixed_number_of_ops_per_block_whatever_its_parame
     few, many = statistics_ops(parts=1).counts, statistics_ops(parts=8).counts  # 2 and 16 parameters a block
     assert few == many, f"ops that grow with the parameters: {(many - few) or (few - many)}"
     assert sum(few.values()) <= 6 * (LAYERS + 2) + 8, few  # a handful per block and per step, not per parameter
+    assert HOST_READ not in few, "the statistics read a tensor's value on the host (.item()): a sync on a GPU"
 
 
 def test_the_descent_samples_each_parameter_with_one_view_of_its_weights_and_one_of_its_gradient() -> None:
