@@ -2,7 +2,7 @@
 static pipeline (``pipe``: the 2-stage layout the memory budget forces, nothing frozen) and all four automations
 (``all``: ``configs/decoder_all.yaml``, whose pipeline compresses into replicas as layers freeze).
 
-    .venv/bin/python benchmarks/decoder/main.py           # 3 seeds x 3 arms, interleaved: ~10 min on 2 cores
+    .venv/bin/python benchmarks/decoder/main.py           # 3 seeds x 3 arms, interleaved: ~7 min on 2 cores
     .venv/bin/python benchmarks/decoder/main.py --quick   # 1 seed on a quarter of the windows: the machinery
 
 Reported per arm: wall time (median, range) and its ratio to ``ddp``'s, training tokens per second, the final model's
