@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 Activation = tuple[torch.Tensor, ...]
 
-__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "run_blocks"]
+__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "first_state_difference", "run_blocks"]
 
 
 class BlockSplitError(ValueError):
@@ -35,6 +35,15 @@ def as_activation(value: torch.Tensor | Sequence[torch.Tensor]) -> Activation:
             raise BlockSplitError(f"a block returned a {type(item).__name__}: blocks must return a tensor or a tuple "
                                   "of tensors (wrap the module so it returns only tensors)")
     return activation
+
+
+def first_state_difference(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor name that one state has and the other lacks, or whose shapes differ; None when saved weights
+    fit a model's state exactly (what loading a file written by another configuration must check first)."""
+    found = {name: tuple(t.shape) for name, t in saved.items()}
+    wanted = {name: tuple(t.shape) for name, t in expected.items()}
+    differing = sorted(set(found) ^ set(wanted)) or sorted(n for n in found if found[n] != wanted[n])
+    return differing[0] if differing else None
 
 
 def _autocast_to(compute_dtype: torch.dtype | None, activation: Activation) -> AbstractContextManager[object]:

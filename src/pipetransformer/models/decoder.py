@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.models.blocks import BlockSequence, first_state_difference
 
 __all__ = ["DECODER_SETTINGS", "CausalLayer", "LanguageModelHead", "TokenEmbeddings", "build_decoder", "causal_mask",
            "load_decoder_weights"]
@@ -147,11 +147,9 @@ def load_decoder_weights(model: BlockSequence, path: str | Path) -> None:
     if not Path(path).is_file():
         raise ValueError(f"no decoder weights at {path}: give an earlier decoder run's model.safetensors")
     saved = load_file(str(path))
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in saved.items()}
-    if found != expected:
-        differing = sorted(set(found) ^ set(expected)) or sorted(n for n in found if found[n] != expected[n])
-        raise ValueError(f"the decoder weights at {path} do not fit model.decoder (first difference: {differing[0]}): "
+    differing = first_state_difference(saved, model.state_dict())
+    if differing is not None:
+        raise ValueError(f"the decoder weights at {path} do not fit model.decoder (first difference: {differing}): "
                          "use the model.decoder settings of the run that wrote them")
     model.load_state_dict(saved)
 

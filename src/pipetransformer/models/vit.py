@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from pipetransformer.models.blocks import BlockSequence
+from pipetransformer.models.blocks import BlockSequence, first_state_difference
 from pipetransformer.models.heads import ImageClassificationHead
 
 __all__ = [
@@ -173,11 +173,9 @@ def load_vit_backbone(model: BlockSequence, path: str | Path) -> None:
     if not Path(path).is_file():
         raise ValueError(f"no ViT backbone at {path}: create one with `pipetransformer pretrain CONFIG --out {path}`")
     saved = load_file(str(path))
-    expected = {name: tuple(t.shape) for name, t in _backbone_state(model).items()}
-    found = {name: tuple(t.shape) for name, t in saved.items()}
-    if found != expected:
-        differing = sorted(set(found) ^ set(expected)) or sorted(n for n in found if found[n] != expected[n])
-        raise ValueError(f"the ViT backbone at {path} does not fit model.vit (first difference: {differing[0]}): "
+    differing = first_state_difference(saved, _backbone_state(model))
+    if differing is not None:
+        raise ValueError(f"the ViT backbone at {path} does not fit model.vit (first difference: {differing}): "
                          "pretrain with the same model.vit settings")
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
