@@ -23,7 +23,6 @@ what froze and when, the command that trained it). Weights are safetensors only.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
