@@ -50,7 +50,7 @@ is left out so the launcher handles Ctrl-C itself and the workers have the time 
 WEIGHT_CHOICES = ("final", "best")
 """``predict``/``export --weights``: model.safetensors or best-validation.safetensors of the run."""
 DEFAULT_NEW_TOKENS = 64
-"""``predict --max-new-tokens``: the bytes a decoder's greedy continuation may take."""
+"""``predict --max-new-tokens``: the tokens (the built-in decoder's are bytes) a greedy continuation may take."""
 TORCHRUN_LOG_DIR = "torchrun"
 PID_FILE_PREFIX = "pid-rank"
 """+ rank: each local worker writes its process id into the error directory, for the launcher to forward Ctrl-C."""
@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--weights", choices=WEIGHT_CHOICES, default="final",
                          help="the final weights, or those of the best validation")
     predict.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                         help="a language model's run: the most bytes each continuation takes (greedy)")
+                         help="a language model's run: the most tokens (bytes for the built-in decoder) each "
+                              "continuation takes (greedy)")
     export = commands.add_parser("export", help="a trained run as a directory transformers loads (a classifier with "
                                                  "its trained head; a decoder as GPT-2)")
     export.add_argument("run_dir")
@@ -156,7 +157,8 @@ def _check_before_launch(config: Config, world_size: int) -> None:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {world_size}")
     if config.pipe.enabled and isinstance(config.pipe.stages, int):
         _check_stage_count(config.pipe.stages, world_size)
-    if config.model.kind == "hf" and config.model.path and not (Path(config.model.path) / HF_CONFIG_FILE).is_file():
+    if config.model.kind in ("hf", "hf_decoder") and config.model.path \
+            and not (Path(config.model.path) / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"model.path={config.model.path} holds no Hugging Face model (no {HF_CONFIG_FILE}): "
                           "point it at a local directory saved with save_pretrained")
     if config.model.kind == "decoder" and config.model.path and not Path(config.model.path).is_file():

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "UNWINDOWED", "Config", "ConfigError", "load_config", "apply_overrides",
+__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "LANGUAGE_MODEL_KINDS", "UNWINDOWED", "Config", "ConfigError", "load_config", "apply_overrides",
            "check_freeze_values", "config_from_dict", "config_to_dict"]
 
 BYTES_PER_GB = 1e9
@@ -85,10 +85,14 @@ class RunConfig:
         return self.dir or str(Path(RUNS_DIR) / f"{self.name or DEFAULT_RUN_NAME}-{stamp}")
 
 
+
+LANGUAGE_MODEL_KINDS = ("decoder", "hf_decoder")
+"""``model.kind`` values that train a causal language model (the task ``causal_lm``) rather than a classifier."""
+
 @dataclass
 class ModelConfig:
-    kind: Literal["minilm", "hf", "vit", "decoder"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT, built-in causal decoder (a language model)
-    path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`; kind=decoder: an earlier decoder run's model.safetensors (fine-tuning it)
+    kind: Literal["minilm", "hf", "vit", "decoder", "hf_decoder"] = "minilm"  # packaged pretrained MiniLM, any HF encoder, built-in ViT, built-in causal decoder, a Hugging Face causal LM (GPT-2- or Llama-style; the last two are language models)
+    path: str | None = None  # kind=hf: local directory of a pretrained encoder; kind=vit: a backbone from `pipetransformer pretrain`; kind=decoder: an earlier decoder run's model.safetensors (fine-tuning it); kind=hf_decoder: local directory of a causal LM and its tokenizer (required)
     hf_config: dict[str, Any] | None = None  # kind=hf: config dict (with model_type) for random weights
     pooling: Literal["mean", "cls"] = "mean"  # text head: masked mean of tokens, or the first token
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"  # HF attention kernel (same speed on CPU here)
@@ -366,10 +370,11 @@ class Config:
         text = self.data.name in ("rotten_tomatoes", "text_csv")
         if text == (self.model.kind == "vit"):
             raise ConfigError(f"data.name={self.data.name} does not fit model.kind={self.model.kind}: "
-                              "use model.kind vit for image data and minilm/hf/decoder for text")
-        if self.data.response_column is not None and (self.model.kind != "decoder" or self.data.name != "text_csv"):
-            raise ConfigError("data.response_column (instruction data) is for model.kind: decoder with data.name: "
-                              "text_csv: remove it, or set both")
+                              "use model.kind vit for image data and minilm/hf/decoder/hf_decoder for text")
+        language_model = self.model.kind in LANGUAGE_MODEL_KINDS
+        if self.data.response_column is not None and (not language_model or self.data.name != "text_csv"):
+            raise ConfigError("data.response_column (instruction data) is for model.kind: decoder or hf_decoder with "
+                              "data.name: text_csv: remove it, or set both")
         if self.data.name in ("text_csv", "image_folder") and not self.data.path:
             raise ConfigError(f"data.name={self.data.name} needs data.path")
         try:
@@ -382,6 +387,9 @@ class Config:
                               "(image_folder: put test files in its folder)")
         if self.model.kind == "hf" and not (self.model.path or self.model.hf_config):
             raise ConfigError("model.kind=hf needs model.path (pretrained directory) or model.hf_config")
+        if self.model.kind == "hf_decoder" and (not self.model.path or self.model.hf_config or self.model.decoder):
+            raise ConfigError("model.kind=hf_decoder needs model.path, a local directory holding a causal language "
+                              "model and its tokenizer, and no hf_config or decoder settings")
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)

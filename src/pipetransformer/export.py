@@ -13,7 +13,8 @@
 - **A language model** (the built-in decoder): the standard ``GPT2LMHeadModel``, untied (the run's output projection
   is its own weight), and a GPT-2 tokenizer with no merges, so each UTF-8 byte is a token with the run's id:
   ``AutoModelForCausalLM``, ``AutoTokenizer`` and ``pipeline("text-generation")`` load it, and greedy ``generate``
-  continues a prompt as ``pipetransformer predict`` does.
+  continues a prompt as ``pipetransformer predict`` does. A Hugging Face decoder (``model.kind: hf_decoder``) is saved
+  as its own class with the trained weights (tied again where the model tied them) and its own tokenizer.
 
 Every export is checked before anything is written: the exported model's logits on a probe batch must equal the run's
 model's within ``EXACT_ATOL``, or the command refuses. ``OUT`` also holds the tokenizer or image processor, the run's
@@ -57,6 +58,8 @@ def export_command(run_dir: Path, out: Path, weights: str) -> int:
     run = load_run_model(run_dir, weights)
     if run.config.model.kind == "decoder":
         model, processor, loads = _decoder_export(run)
+    elif run.config.model.kind == "hf_decoder":
+        model, processor, loads = _hf_decoder_export(run)
     elif run.model.task == "image":
         model, processor, loads = _image_export(run)
     else:
@@ -294,6 +297,27 @@ def _decoder_export(run: Any) -> tuple[nn.Module, Any, str]:
                               "`pipeline(\"text-generation\", model=OUT)` continues a prompt")
 
 
+def _hf_decoder_export(run: Any) -> tuple[nn.Module, Any, str]:
+    """A Hugging Face decoder as its own class: its modules, filled with the run's weights, the mirror of a tied
+    output projection tied to the embeddings again, and the tokenizer it trained with."""
+    from pipetransformer.models.hf_decoder import blocks_from_hf_decoder, load_decoder_tokenizer, load_hf_decoder
+
+    m = run.config.model
+    model = load_hf_decoder(m.path, m.attn_implementation).eval()
+    blocks = blocks_from_hf_decoder(model)  # holds the model's own modules
+    with torch.no_grad():
+        blocks.load_state_dict(run.model.state_dict())
+    if blocks.ties:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    tokenizer = load_decoder_tokenizer(m.path)
+    ids = torch.tensor([tokenizer(PROBE_TEXTS[0], add_special_tokens=False)["input_ids"][:run.config.data.max_length]])
+    mask = torch.ones_like(ids)
+    _check_exact(run.model, (ids, mask), lambda: model(input_ids=ids, attention_mask=mask).logits)
+    return model, tokenizer, (f"`AutoModelForCausalLM.from_pretrained(OUT)` (`{type(model).__name__}`) and "
+                              "`AutoTokenizer.from_pretrained(OUT)`; `pipeline(\"text-generation\", model=OUT)` "
+                              "continues a prompt")
+
+
 def _check_exact(run_model: nn.Module, inputs: tuple[torch.Tensor, ...], exported_logits: Any) -> None:
     """The exported model must give the run's model's logits: no export that merely looks like the classifier."""
     with torch.no_grad():
@@ -313,7 +337,8 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
             "hf": m.path or "a randomly initialised Hugging Face encoder (`model.hf_config`)",
             "vit": f"the built-in ViT, from `{m.path}`" if m.path else "the built-in ViT, randomly initialised",
             "decoder": f"the built-in causal decoder, from `{m.path}`" if m.path
-            else "the built-in causal decoder, randomly initialised"}[m.kind]
+            else "the built-in causal decoder, randomly initialised",
+            "hf_decoder": f"the Hugging Face causal language model at `{m.path}`"}[m.kind]
     data = f"`{d.name}`" + (f" from `{d.path}`" if d.path else "")
     sizes = ", ".join(f"{summary[key]} {label}" for key, label in (("train_samples", "training"),
                                                                     ("eval_samples", "validation"),
@@ -353,6 +378,8 @@ def model_card(config: Config, summary: dict[str, Any], class_names: list[str], 
 def _what(kind: str, summary: dict[str, Any]) -> str:
     if kind == "decoder":
         return "a causal language model (UTF-8 bytes)"
+    if kind == "hf_decoder":
+        return "a causal language model"
     return f"a {'image' if kind == 'vit' or summary.get('image_normalization') else 'text'} classifier"
 
 

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipetransformer.config import Config, ConfigError, load_config
-from pipetransformer.data.corpus import BYTE_VOCABULARY
+from pipetransformer.config import LANGUAGE_MODEL_KINDS, Config, ConfigError, load_config
 from pipetransformer.models.blocks import BlockSequence
 
 __all__ = ["RunModel", "WEIGHTS", "continue_prompts", "load_run_model", "predict_command", "predict_inputs",
@@ -61,10 +60,11 @@ def load_run_model(run_dir: Path, weights: str = "final") -> RunModel:
     """The model a run trained (``weights``: final or best), with its class names."""
     from safetensors.torch import load_file
 
-    from pipetransformer.train.build import build_blocks
+    from pipetransformer.train.build import build_blocks, language_model_vocabulary
 
     config, summary, path = read_run(run_dir, weights)
-    outputs = BYTE_VOCABULARY if config.model.kind == "decoder" else len(summary["class_names"])
+    language_model = config.model.kind in LANGUAGE_MODEL_KINDS
+    outputs = language_model_vocabulary(config).size if language_model else len(summary["class_names"])
     model = build_blocks(config, outputs, torch.device("cpu"))
     with torch.no_grad():
         model.load_state_dict(load_file(str(path)))
@@ -133,24 +133,25 @@ def predict_inputs(run: RunModel, source: Path) -> tuple[list[str], torch.Tensor
 
 
 def continue_prompts(run: RunModel, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """A decoder's greedy continuation of each prompt (its UTF-8 bytes): the likeliest next byte, appended until the
-    end-of-text token, ``max_new_tokens`` bytes, or the model's last position. The whole window runs again for every
-    token (no key-value cache): the built-in decoder is small and its windows short."""
-    from pipetransformer.data.corpus import END_OF_TEXT, decode_bytes
+    """A language model's greedy continuation of each prompt (its tokens, as in training): the likeliest next token,
+    appended until the end-of-text token, ``max_new_tokens`` tokens, or the model's last position. The whole window
+    (``data.max_length`` tokens at most) runs again for every token (no key-value cache): windows here are short."""
+    from pipetransformer.train.build import language_model_vocabulary
 
-    positions = run.model.blocks[0].max_positions
+    vocabulary = language_model_vocabulary(run.config)
+    end, positions = vocabulary.end_of_text, run.config.data.max_length
     continuations = []
     with torch.no_grad():
         for prompt in prompts:
-            tokens = list(prompt.encode("utf-8"))[-positions + 1:] or [END_OF_TEXT]
+            tokens = vocabulary.encode(prompt)[-positions + 1:] or [end]
             new: list[int] = []
             while len(new) < max_new_tokens:
                 window = torch.tensor([(tokens + new)[-positions:]], dtype=torch.int64)
                 token = int(run.model(window, torch.ones_like(window))[0, -1].argmax())
-                if token == END_OF_TEXT:
+                if token == end:
                     break
                 new.append(token)
-            continuations.append(decode_bytes(new))
+            continuations.append(vocabulary.decode(new))
     return continuations
 
 
@@ -172,7 +173,7 @@ def _generate_command(run: RunModel, source: Path, output: Path, max_new_tokens:
         writer.writerow(["input", "prompt", "continuation"])
         for (line, _), prompt, continuation in zip(rows, prompts, continuations, strict=True):
             writer.writerow([f"line {line}", prompt, continuation])
-    print(f"{len(prompts)} continuations (greedy, at most {max_new_tokens} bytes) written to {output}")
+    print(f"{len(prompts)} continuations (greedy, at most {max_new_tokens} tokens) written to {output}")
     return 0
 
 
@@ -180,7 +181,7 @@ def predict_command(run_dir: Path, source: Path, output: Path | None, weights: s
     """Write one CSV row per input: its name, the predicted class name and probability, every class's probability;
     for a language model (``model.kind: decoder``), the prompt and its continuation."""
     run = load_run_model(run_dir, weights)
-    if run.config.model.kind == "decoder":
+    if run.config.model.kind in LANGUAGE_MODEL_KINDS:
         return _generate_command(run, source, output or run_dir / DEFAULT_OUTPUT, max_new_tokens)
     names, probabilities = predict_inputs(run, source)
     output = output or run_dir / DEFAULT_OUTPUT

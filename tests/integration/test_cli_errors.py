@@ -15,6 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VIT = str(ROOT / "configs" / "tiny_vit.yaml")
 TINY_TEXT = str(ROOT / "configs" / "tiny_text.yaml")
+TINY_DECODER = str(ROOT / "configs" / "tiny_decoder.yaml")
+HF_DECODER = ("--set", "model.kind=hf_decoder", "--set", "model.decoder={}")
 TIMEOUT_S = 300
 NOTES = "notes.txt"
 PREVIOUS_CONFIG = "config.yaml"
@@ -56,6 +58,10 @@ CASES = {
     "decoder_model": Case((TINY_TEXT, "--set", "model.hf_config.model_type=gpt2"), ("'gpt2'", "decoder")),
     "decoder_model_2_workers": Case((TINY_TEXT, "--set", "model.hf_config.model_type=gpt2", "--nproc-per-node", "2"),
                                     ("'gpt2'", "decoder")),
+    "sliding_window_decoder_2_workers": Case((TINY_DECODER, *HF_DECODER, "--set", "model.path={tmp}/mistral",
+                                              "--nproc-per-node", "2"), ("'mistral'", "sliding-window")),
+    "mixture_of_experts_decoder": Case((TINY_DECODER, *HF_DECODER, "--set", "model.path={tmp}/mixtral"),
+                                       ("'mixtral'", "mixture-of-experts")),
     "attention_kernel_the_model_lacks": Case((TINY_TEXT, "--set", "model.hf_config.model_type=mpnet"),
                                              ("mpnet", "model.attn_implementation", "eager")),
     "csv_columns_not_named_2_workers": Case((TINY_TEXT, *TABLE, "--nproc-per-node", "2"),
@@ -89,6 +95,9 @@ def _run(case: Case, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProce
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("seed: 0\nrun: {log_every: 1\ntrain: [\n")
     (tmp_path / "old_run" / "checkpoints" / "step-000000007").mkdir(parents=True)
+    for model_type in ("mistral", "mixtral"):  # configs alone: refused before any weights or tokenizer load
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
     (tmp_path / "table.csv").write_text("statement,party\n" + "".join(f"words {i},p{i % 2}\n" for i in range(20)))
     args = [a.replace("{bad}", str(bad_yaml)).replace("{tmp}", str(tmp_path)) for a in case.args]
     command = [sys.executable, "-c", CLI, case.command, *args]

@@ -156,6 +156,6 @@ def test_an_example_whose_prompt_fills_the_window_is_left_out_and_none_left_is_a
 
 
 def test_instruction_data_is_for_a_decoder_reading_a_csv() -> None:
-    with pytest.raises(ConfigError, match="data.response_column .* is for model.kind: decoder with data.name"):
+    with pytest.raises(ConfigError, match="data.response_column .* is for model.kind: decoder or hf_decoder with"):
         load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_decoder.yaml",
                     ["data.response_column=answer"])

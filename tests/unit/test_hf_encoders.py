@@ -195,6 +195,16 @@ def test_every_parameter_has_one_owner_and_checkpoints_round_trip(name: str) -> 
 
 
 @pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_a_frozen_block_stays_in_eval_mode_when_the_model_trains(name: str) -> None:
+    """The cache serves frozen blocks only when none of their modules trains: no module may be shared with a block
+    that trains (ModernBERT's rotary module once was, and turned the frozen layer's back to training mode)."""
+    blocks = blocks_from_hf(encoder_for(name), NUM_LABELS)
+    freeze_blocks(blocks, frozen_blocks({0}, blocks.num_layers), None)
+    blocks.train()
+    assert [n for n, m in blocks.blocks[1].named_modules() if m.training] == []
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_gradients_match_the_unsplit_model(name: str) -> None:
     """Every parameter's gradient, each relative to its own scale: the shared tables' gradients are thousands of
     times smaller than the largest."""

@@ -69,6 +69,10 @@ def freeze_blocks(model: BlockSequence, blocks: Iterable[int], optimizer: torch.
             parameter.requires_grad_(False)
             parameter.grad = None
         pin_eval(block)
+    for owner, mirror in model.tied_parameters():  # a tied weight's mirror (in the head) freezes with its owner
+        if not owner.requires_grad:
+            mirror.requires_grad_(False)
+            mirror.grad = None
     if optimizer is not None:
         drop_from_optimizer(optimizer, frozen_ids)
     return sum(parameter.numel() for parameter in newly_frozen)

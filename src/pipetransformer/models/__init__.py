@@ -7,11 +7,12 @@ from typing import Any
 from pipetransformer.models.blocks import BlockSequence, BlockSplitError
 from pipetransformer.models.decoder import build_decoder, load_decoder_weights
 from pipetransformer.models.hf import blocks_from_hf, load_hf_encoder, load_tokenizer, minilm_path
+from pipetransformer.models.hf_decoder import blocks_from_hf_decoder, load_hf_decoder
 from pipetransformer.models.vit import build_vit, load_vit_backbone
 
 __all__ = ["MODEL_KINDS", "BlockSequence", "BlockSplitError", "build_model", "load_tokenizer", "minilm_path"]
 
-MODEL_KINDS = ("minilm", "hf", "vit", "decoder")
+MODEL_KINDS = ("minilm", "hf", "vit", "decoder", "hf_decoder")
 
 
 def build_model(
@@ -33,7 +34,9 @@ def build_model(
     ``path`` an optional backbone file from ``pipetransformer pretrain`` (the head stays freshly initialised);
     ``"decoder"``: the built-in causal decoder, ``decoder`` holding ``build_decoder``'s keyword arguments but
     ``vocab_size``, which is ``num_labels`` (the head predicts a token), and ``path`` optionally an earlier decoder
-    run's ``model.safetensors`` to fine-tune (every block, head included: the byte vocabulary is shared).
+    run's ``model.safetensors`` to fine-tune (every block, head included: the byte vocabulary is shared);
+    ``"hf_decoder"``: a Hugging Face causal language model from the local directory ``path``, whose ``vocab_size`` must
+    be ``num_labels`` (the data's vocabulary is the model's).
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_KINDS)}")
@@ -57,6 +60,16 @@ def build_model(
         model = build_decoder(**settings, vocab_size=num_labels)
         if path is not None:
             load_decoder_weights(model, path)
+        return model
+    if kind == "hf_decoder":
+        if path is None or hf_config is not None or vit is not None or decoder is not None:
+            raise ValueError("model kind 'hf_decoder' takes a path only (a local directory with a causal language "
+                             "model)")
+        model = blocks_from_hf_decoder(load_hf_decoder(path, attn_implementation))
+        rows = model.blocks[-1].projection.out_features
+        if rows != num_labels:
+            raise ValueError(f"the decoder at {path} predicts {rows} tokens but the data's vocabulary has "
+                             f"{num_labels}: use the tokenizer saved with the model")
         return model
     if decoder is not None:
         raise ValueError(f"decoder settings apply only to model kind 'decoder', not {kind!r}: remove them")

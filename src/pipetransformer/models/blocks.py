@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 Activation = tuple[torch.Tensor, ...]
 
-__all__ = ["Activation", "BlockSequence", "BlockSplitError", "as_activation", "first_state_difference", "run_blocks"]
+__all__ = ["Activation", "BlockSequence", "BlockSplitError", "TiedWeight", "as_activation", "first_state_difference",
+           "run_blocks"]
 
 
 class BlockSplitError(ValueError):
@@ -90,6 +91,20 @@ class ActivationSpec:
         return total
 
 
+@dataclass(frozen=True)
+class TiedWeight:
+    """A weight two blocks use, such as a decoder's token embeddings and its output projection (GPT-2 ties them).
+
+    Pipeline stages may put the two blocks on different ranks, so each block has its own parameter: the ``owner``'s
+    (the embeddings', the earlier block) is the weight, trained and kept in the optimizer; the ``mirror`` (in the
+    head) is a copy no optimizer holds. After backward the mirror's gradient is added to the owner's, and after the
+    update the owner's value is copied into the mirror (``dp.ties``), so training is that of the one tied weight. The
+    mirror freezes with its owner. Both are parameter names relative to the block sequence."""
+
+    owner: str
+    mirror: str
+
+
 class BlockSequence(nn.Module):
     """An ordered list of blocks ``embeddings, layers..., head`` with uniform tensor-tuple interfaces.
 
@@ -104,6 +119,15 @@ class BlockSequence(nn.Module):
         self.blocks = nn.ModuleList([embeddings, *layers, head])
         self.task = task
         self.compute_dtype: torch.dtype | None = None  # autocast dtype of every forward (train.precision)
+        self.ties: tuple[TiedWeight, ...] = ()
+
+    def tied_parameters(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """Each tie's ``(owner, mirror)`` parameters."""
+        return [(self.get_parameter(tie.owner), self.get_parameter(tie.mirror)) for tie in self.ties]
+
+    def mirrors(self) -> set[nn.Parameter]:
+        """The parameters that mirror another (no optimizer holds them)."""
+        return {mirror for _, mirror in self.tied_parameters()}
 
     @property
     def num_layers(self) -> int:

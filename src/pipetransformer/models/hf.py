@@ -14,6 +14,7 @@ that only need the block abstraction.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
 import logging
@@ -158,8 +159,11 @@ def _modernbert_parts(encoder: nn.Module, embeddings: nn.Module, layers: nn.Modu
     if unknown:
         raise BlockSplitError(f"cannot split {_describe(encoder)}: unknown layer attention types {unknown} "
                               f"(known: {', '.join(masks)})")
+    # Each layer block gets its own copy of the parameter-free rotary module: one shared by all would be put back in
+    # training mode by the blocks that train, under a frozen (cached) one.
     blocks: list[nn.Module] = [
-        ModernBertLayerBlock(layer, encoder.config, rotary=encoder.rotary_emb, masks=masks) for layer in layers
+        ModernBertLayerBlock(layer, encoder.config, rotary=copy.deepcopy(encoder.rotary_emb), masks=masks)
+        for layer in layers
     ]
     return _Parts(HFEmbeddingsBlock(embeddings, task), blocks, encoder.final_norm)
 
@@ -227,8 +231,9 @@ def _refuse_causal(encoder: nn.Module, name: str) -> None:
     causal = getattr(getattr(encoder, "config", None), "is_decoder", False) is True or any(
         getattr(module, "is_causal", False) is True for module in encoder.modules())
     if causal:
-        raise BlockSplitError(f"cannot split {name}: it is a decoder (causal attention) and the blocks build a "
-                              "bidirectional mask; use an encoder such as BERT, RoBERTa, DeBERTa or MPNet")
+        raise BlockSplitError(f"cannot split {name}: it is a decoder (causal attention) and the encoder blocks build a "
+                              "bidirectional mask; train it as a language model with model.kind: hf_decoder, or "
+                              "use an encoder such as BERT, RoBERTa, DeBERTa or MPNet")
 
 
 def _refuse_shared_parameters(blocks: BlockSequence, name: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.config import Config, ConfigError
+from pipetransformer.config import LANGUAGE_MODEL_KINDS, Config, ConfigError
 from pipetransformer.dp.batch import KEEP_PER_PIPELINE
 from pipetransformer.pipe.cost import (
     ADAMW_STATE_FACTOR,
@@ -186,9 +186,9 @@ def optimizer_state_factor(optimizer: str, momentum: float) -> int:
 def _spec_from_config(config: Config) -> ModelSpec:
     """The analytic description of the model a config trains (for a cluster this machine is not)."""
     model = config.model
-    if model.kind == "decoder":
-        raise ConfigError("the planner models encoders and ViTs: a decoder (model.kind: decoder) has no cluster model "
-                          "yet; train it here with pipetransformer train")
+    if model.kind in LANGUAGE_MODEL_KINDS:
+        raise ConfigError(f"the planner models encoders and ViTs: a decoder (model.kind: {model.kind}) has no cluster "
+                          "model yet; train it here with pipetransformer train")
     if model.kind == "minilm":
         return BUILT_IN_MODELS["minilm"].with_seq_len(config.data.max_length)
     if model.kind == "vit":

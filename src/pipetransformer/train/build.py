@@ -7,18 +7,20 @@ from pathlib import Path
 
 import torch
 
-from pipetransformer.config import Config, ConfigError, RunConfig
+from pipetransformer.config import LANGUAGE_MODEL_KINDS, Config, ConfigError, RunConfig
 from pipetransformer.data import datasets_from_config, small_split_warnings
 from pipetransformer.data.batch import DataSplits, IndexedDataset, SampleLimits
-from pipetransformer.data.corpus import load_corpus
+from pipetransformer.data.corpus import BYTES, Vocabulary, load_corpus, tokenizer_vocabulary
 from pipetransformer.data.images import ImageDataset
 from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
+from pipetransformer.models.hf_decoder import load_decoder_tokenizer, token_rows
 from pipetransformer.models.blocks import Activation
 from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
-__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "load_splits",
+__all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "language_model_vocabulary",
+           "load_splits",
            "model_image_shape", "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
@@ -44,19 +46,35 @@ def resolve_run_dir(settings: RunConfig) -> Path:
 def read_splits(config: Config) -> DataSplits[IndexedDataset]:
     """The config's train, validation and test splits; a loader's complaint becomes a :class:`ConfigError`."""
     data, kind = config.data, config.model.kind
-    # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it. A decoder reads
-    # bytes (data.corpus), so it loads none.
-    tokenizer = None if kind in ("vit", "decoder") else load_tokenizer(config.model.path or minilm_path())
+    # Random-weight HF models (hf_config) borrow MiniLM's tokenizer: their vocab_size must cover it. The built-in
+    # decoder reads bytes (data.corpus), so it loads none.
+    vocabulary = language_model_vocabulary(config) if kind in LANGUAGE_MODEL_KINDS else None
     try:
-        if kind == "decoder":
+        if vocabulary is not None:
             return load_corpus(data.name, max_length=data.max_length, path=data.path, text_column=data.text_column,
                                response_column=data.response_column, encoding=data.encoding,
                                validation_fraction=data.validation_fraction, test_fraction=data.test_fraction,
                                seed=data.split_seed, limits=SampleLimits(data.max_train_samples, data.max_eval_samples,
-                                                                         data.max_test_samples))
+                                                                         data.max_test_samples),
+                               vocabulary=vocabulary)
+        tokenizer = None if kind == "vit" else load_tokenizer(config.model.path or minilm_path())
         return datasets_from_config(data, tokenizer, image_shape=vit_image_shape(config.model.vit))
     except ValueError as error:  # the loaders' messages name the setting
         raise ConfigError(f"data: {error}") from None
+
+
+def language_model_vocabulary(config: Config) -> Vocabulary:
+    """How a language model's text becomes tokens: bytes for the built-in decoder, the tokenizer saved with a Hugging
+    Face decoder (``model.path``) for it. A model the blocks cannot split, or a tokenizer that does not fit it, is a
+    :class:`ConfigError` naming the model."""
+    path = config.model.path
+    if config.model.kind != "hf_decoder" or path is None:
+        return BYTES
+    try:
+        rows = token_rows(path)  # refuses what the blocks cannot split before the tokenizer loads
+        return tokenizer_vocabulary(load_decoder_tokenizer(path), rows, path)
+    except ValueError as error:
+        raise ConfigError(f"model: {error}") from None
 
 
 def load_splits(config: Config, env: DistEnv) -> DataSplits[IndexedDataset]:
@@ -151,7 +169,7 @@ def describe_model(config: Config, model: BlockSequence) -> str:
     """What was built, and from which weights: ``model.kind``, blocks, parameters, and the weights' source."""
     m = config.model
     source = {"minilm": "the packaged all-MiniLM-L6-v2", "hf": m.path or "random init (model.hf_config)",
-              "vit": m.path or "random init", "decoder": m.path or "random init"}[m.kind]
+              "vit": m.path or "random init", "decoder": m.path or "random init", "hf_decoder": m.path}[m.kind]
     parameters = sum(p.numel() for p in model.parameters())
     return f"{m.kind}, {len(model)} blocks, {parameters / 1e6:.2f}M parameters, weights: {source}"
 

@@ -23,6 +23,7 @@ from pipetransformer.distributed import DistEnv, gather_floats, new_groups
 from pipetransformer.dp.batch import global_batch, lr_scale
 from pipetransformer.dp.handover import BlockTransfer, broadcast_blocks, hand_over, transfer_blocks
 from pipetransformer.dp.sync import GradientSync, row_summed_tables
+from pipetransformer.dp.ties import TiedWeightSync
 from pipetransformer.pipe.cost import BlockCost, Precision
 from pipetransformer.pipe.planner import LayoutPlan, plan_request
 from pipetransformer.pipe.profile import PROFILE_BATCH, broadcast_costs, estimate_block_costs
@@ -83,6 +84,7 @@ class ElasticLayout:
         self.initial_width: int | None = None  # set by the first layout (or a resume on as many workers)
         self._placement: Placement | None = None
         self.executor: StepExecutor | None = None  # None on idle ranks
+        self.ties: TiedWeightSync | None = None  # None on idle ranks
         self.pipe_group: dist.ProcessGroup | None = None
         self.dp_group: dist.ProcessGroup | None = None
         self._costs: list[BlockCost] | None = None
@@ -153,6 +155,9 @@ class ElasticLayout:
         optimizer.rebuild(placement.blocks, received)
         if self.executor is not None:
             self.executor.close()
+        self.ties = None if placement.stage is None else TiedWeightSync(
+            self.model, rank, plan.layout.rank(placement.replica, 0),
+            plan.layout.rank(placement.replica, plan.layout.num_stages - 1))
         self.executor = self._executor(placement, optimizer.params)
         self.context.prefix.open(plan.cached_blocks)
         self._placement = placement
@@ -167,13 +172,25 @@ class ElasticLayout:
             return None
         stages = placement.plan.layout.num_stages
         row_summed = row_summed_tables(self.model.modules(), params) if self.dp.touched_rows_only else []
-        # One backward per step only without a pipeline schedule: then buckets overlap backward.
+        # One backward per step only without a pipeline schedule: then buckets overlap backward, unless a tied
+        # weight's mirror must add its gradient to the owner's first.
+        overlap = stages == 1 and not (self.ties is not None and self.ties.live)
         sync = GradientSync(params, self.dp_group, bucket_bytes=int(self.dp.bucket_mib * BYTES_PER_MIB),
-                            overlap=stages == 1, row_summed=row_summed)
+                            overlap=overlap, row_summed=row_summed)
         if stages == 1:
             return LocalStep(self.context, placement.plan, sync)
         assert self.pipe_group is not None
         return PipelineStep(self.context, placement.plan, placement.stage, sync, self.pipe_group, self.pipe.schedule)
+
+    def fold_tied_gradients(self) -> None:
+        """Add tied weights' mirror gradients to their owners' (after backward, before the replicas sum them)."""
+        if self.ties is not None:
+            self.ties.fold_gradients()
+
+    def refresh_tied_weights(self) -> None:
+        """Copy the tied weights' updated values into their mirrors (after the optimizer step)."""
+        if self.ties is not None:
+            self.ties.refresh_mirrors()
 
     def owners(self) -> dict[int, int]:
         """Block -> the rank of replica 0 that holds it: where the current state of every block is."""

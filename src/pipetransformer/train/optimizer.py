@@ -48,7 +48,9 @@ class HeldOptimizer:
         """Optimize the trainable parameters of blocks ``[start, end)`` from now on, each with its block's learning
         rate scale (from its place in the whole model, not the stage) and the state it had anywhere."""
         start, end = blocks
-        params = [p for i in range(start, end) for p in self.model.blocks[i].parameters() if p.requires_grad]
+        mirrors = self.model.mirrors()  # a tied weight is trained at its owner only
+        params = [p for i in range(start, end) for p in self.model.blocks[i].parameters()
+                  if p.requires_grad and p not in mirrors]
         scales = {p: self._lr_scales[i] for i in range(start, end) for p in self.model.blocks[i].parameters()}
         old_state = self.state
         self.optimizer = build_optimizer(params, self.settings, scales) if params else None

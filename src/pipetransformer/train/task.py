@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.config import LANGUAGE_MODEL_KINDS
 from pipetransformer.data.batch import IndexedDataset
 from pipetransformer.data.corpus import IGNORED_TARGET
 
@@ -120,4 +121,4 @@ def causal_lm() -> Task:
 
 def task_for(model_kind: str) -> Task:
     """What a config's model learns: a decoder predicts the next token, every other model classifies."""
-    return causal_lm() if model_kind == "decoder" else classification()
+    return causal_lm() if model_kind in LANGUAGE_MODEL_KINDS else classification()

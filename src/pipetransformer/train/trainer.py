@@ -166,6 +166,7 @@ class Trainer:
             if batch is not None:
                 loss_sum += executor.forward_backward(batch, rows, timer)
             with timer.phase("allreduce"):
+                self.layout.fold_tied_gradients()
                 allreduce_bytes = executor.synchronize()
         with timer.phase("control"):
             control = gather_control(self.model, placement, loss_sum, stop=self.stop_signals.received is not None,
@@ -175,6 +176,7 @@ class Trainer:
         control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
             self.optimizer.step(lr, control.total_grad_norm())
+            self.layout.refresh_tied_weights()
         norms, dots, descents = self.freezer.observe(control)
         return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, descents, control.stop_requested,
                           control.interrupted)

@@ -1,0 +1,90 @@
+"""Hugging Face decoders (GPT-2 with tied embeddings, Llama with and without) through ``pipetransformer train`` on real
+gloo workers: a 2-stage pipeline whose tied weight sits on both stages, and a pipeline that compresses as layers
+freeze (the freed worker a replica, the frozen layers served from the cache), each equal to one process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_decoders import write_decoder  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RTOL = 2e-4
+ATOL = 1e-7
+SAVE = ("run.save_model=true", "run.record_samples=true")
+SAMPLES = 96
+EPOCHS = 3
+"""The freeze at step 3, the cache filled in the second epoch and served in the third."""
+TWO_STAGES_THEN_ONE_GB = {"gpt2": 0.03, "llama": 0.02}
+"""Budgets (measured here) that hold each tiny decoder as 2 stages but not as one, and as one once its embeddings and
+2 layers are frozen and cached."""
+OWNER = "blocks.0.tokens.weight"
+MIRROR = "blocks.5.projection.weight"
+
+
+def _config(tmp_path: Path, family: str, *, tied: bool) -> str:
+    """A config training a tiny ``family`` decoder (saved under ``tmp_path``) on Rotten Tomatoes' text."""
+    path = write_decoder(tmp_path / f"{family}-model", family, tied=tied)
+    config = {"seed": 0, "run": {"log_every": 1, "progress": False},
+              "model": {"kind": "hf_decoder", "path": str(path)},
+              "data": {"name": "rotten_tomatoes", "max_length": 32, "max_train_samples": 256, "max_eval_samples": 64,
+                       "max_test_samples": 64},
+              "train": {"epochs": 1, "batch_size": 32, "lr": 1.0e-3, "eval_batch_size": 64}}
+    file = tmp_path / f"{family}.yaml"
+    file.write_text(json.dumps(config))
+    return str(file)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_pipelined_decoder_with_tied_embeddings_trains_as_one_process(tmp_path: Path, family: str) -> None:
+    """The embeddings on stage 0 and the tied output projection on stage 1: the mirror's gradient reaches the owner
+    and the owner's update the mirror, so the run is the one process's, and the optimizer holds the weight once."""
+    config = _config(tmp_path, family, tied=True)
+    reference, piped = tmp_path / "reference", tmp_path / "piped"
+    steps = ("train.max_steps=4",)
+    run_job(config, reference, *SAVE, *steps)
+    run_job(config, piped, *SAVE, *steps, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=4", nproc=2)
+    layout = summary(piped)["layout_history"][0]
+    assert (layout["stages"], layout["dp_width"]) == (2, 1)
+    assert_close_states(weights(piped), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(piped), optimizer_state(reference), RTOL, ATOL)
+    trained = load_file(str(piped / "model.safetensors"))
+    initial = load_file(str(tmp_path / f"{family}-model" / "model.safetensors"))
+    assert (trained[OWNER] == trained[MIRROR]).all()
+    assert not any(key.startswith(MIRROR) for key in optimizer_state(piped))
+    embeddings = next(t for name, t in initial.items() if name.endswith(("wte.weight", "embed_tokens.weight")))
+    assert (trained[OWNER] - embeddings).abs().max() > 0  # the tied weight trained
+    assert summary(piped)["test_nll"] == pytest.approx(summary(reference)["test_nll"], rel=RTOL)
+
+
+@pytest.mark.parametrize(("family", "tied"), [("gpt2", True), ("llama", False)])
+def test_a_decoder_pipeline_compresses_into_replicas_served_by_the_cache(tmp_path: Path, family: str,
+                                                                         tied: bool) -> None:
+    config = _config(tmp_path, family, tied=tied)
+    common = (*SAVE, f"data.max_train_samples={SAMPLES}", f"train.epochs={EPOCHS}", "freeze.enabled=true",
+              "freeze.policy=schedule", "freeze.interval_unit=steps", "freeze.schedule=[[3,2]]")
+    reference, elastic = tmp_path / "reference", tmp_path / "elastic"
+    run_job(config, reference, *common)  # the frozen layers computed every step: what the cache must serve
+    result = run_job(config, elastic, *common, "cache.enabled=true", "pipe.enabled=true", "dp.enabled=true",
+                     f"pipe.device_memory_gb={TWO_STAGES_THEN_ONE_GB[family]}", nproc=2)
+    assert ("layout after step 3, 2 layer(s) frozen: 2 stages x 1 replica -> 1 stage x 2 replicas"
+            in result.stdout + result.stderr), "the log does not show the pipeline compressing"
+    history = summary(elastic)["layout_history"]
+    assert [(h["stages"], h["dp_width"]) for h in history] == [(2, 1), (1, 2)]
+    assert history[1]["cached_blocks"] == 3
+    assert_close_states(weights(elastic), weights(reference), RTOL, ATOL)
+    assert_close_states(optimizer_state(elastic), optimizer_state(reference), RTOL, ATOL)
+    for epoch, indices in seen_samples(elastic).items():
+        assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch} did not see every window exactly once"
+    if tied:
+        trained = load_file(str(elastic / "model.safetensors"))
+        assert (trained[OWNER] == trained[MIRROR]).all()  # frozen together at step 3
