@@ -112,7 +112,7 @@ class DataConfig:
     test_path: str | None = None  # text_csv: a CSV of test rows (same columns); null = a seeded test split of path
     text_column: str = "text"  # text_csv: the column holding the text
     label_column: str = "label"  # text_csv: the column holding the label: class names, whatever they look like ("1" and "5" make 2 classes)
-    response_column: str | None = None  # model.kind=decoder with text_csv: instruction data, one example a row: the text_column is the prompt, this column the response, and the loss reads the response's tokens only (null: the text_column's text, packed)
+    response_column: str | None = None  # model.kind=decoder or hf_decoder with text_csv: instruction data, one example a row: the text_column is the prompt, this column the response, and the loss reads the response's tokens only (null: the text_column's text, packed)
     encoding: str = "utf-8"  # text_csv: the CSV files' text encoding (e.g. latin-1, cp1252)
     max_length: int = 64  # text: tokens per sample (batches are trimmed to their longest)
     split_seed: int = 0  # fixes the validation/test split and the subsets, apart from seed: every training seed is scored on the same data
