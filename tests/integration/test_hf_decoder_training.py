@@ -88,3 +88,18 @@ def test_a_decoder_pipeline_compresses_into_replicas_served_by_the_cache(tmp_pat
     if tied:
         trained = load_file(str(elastic / "model.safetensors"))
         assert (trained[OWNER] == trained[MIRROR]).all()  # frozen together at step 3
+
+
+def test_a_pipelined_tied_decoder_stopped_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
+    """The checkpoint of a 2-stage tied GPT-2 holds the mirror with the weights and the owner's optimizer state only;
+    stopped at step 3 of 8 and resumed, the run ends as one that never stopped."""
+    config = _config(tmp_path, "gpt2", tied=True)
+    piped = (*SAVE, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=2", "checkpoint.every_steps=1")
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    run_job(config, reference, *piped, nproc=2)
+    run_job(config, stopped, *piped, "train.max_steps=3", nproc=2)
+    run_job(config, stopped, *piped, nproc=2, extra_args=("--resume",))
+    assert summary(stopped)["steps"] == summary(reference)["steps"] == 8
+    assert_close_states(weights(stopped), weights(reference), 0.0, 0.0)
+    assert optimizer_state(stopped).keys() == optimizer_state(reference).keys()
+    assert_close_states(optimizer_state(stopped), optimizer_state(reference), 0.0, 0.0)
