@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "LANGUAGE_MODEL_KINDS", "UNWINDOWED", "Config", "ConfigError", "load_config", "apply_overrides",
-           "check_freeze_values", "config_from_dict", "config_to_dict"]
+__all__ = ["BYTES_PER_GB", "BYTES_PER_MIB", "LANGUAGE_MODEL_KINDS", "UNWINDOWED", "Config", "ConfigError", "load_config",
+           "apply_overrides", "check_freeze_values", "config_from_dict", "config_to_dict"]
 
 BYTES_PER_GB = 1e9
 """The ``*_gb`` settings are decimal gigabytes."""
@@ -85,9 +85,9 @@ class RunConfig:
         return self.dir or str(Path(RUNS_DIR) / f"{self.name or DEFAULT_RUN_NAME}-{stamp}")
 
 
-
 LANGUAGE_MODEL_KINDS = ("decoder", "hf_decoder")
 """``model.kind`` values that train a causal language model (the task ``causal_lm``) rather than a classifier."""
+
 
 @dataclass
 class ModelConfig:

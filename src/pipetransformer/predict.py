@@ -179,7 +179,7 @@ def _generate_command(run: RunModel, source: Path, output: Path, max_new_tokens:
 
 def predict_command(run_dir: Path, source: Path, output: Path | None, weights: str, max_new_tokens: int) -> int:
     """Write one CSV row per input: its name, the predicted class name and probability, every class's probability;
-    for a language model (``model.kind: decoder``), the prompt and its continuation."""
+    for a language model (``model.kind: decoder`` or ``hf_decoder``), the prompt and its continuation."""
     run = load_run_model(run_dir, weights)
     if run.config.model.kind in LANGUAGE_MODEL_KINDS:
         return _generate_command(run, source, output or run_dir / DEFAULT_OUTPUT, max_new_tokens)

@@ -15,13 +15,12 @@ from pipetransformer.data.images import ImageDataset
 from pipetransformer.data.text import TextDataset
 from pipetransformer.distributed import DistEnv, broadcast_string
 from pipetransformer.models import BlockSequence, build_model, load_tokenizer, minilm_path
-from pipetransformer.models.hf_decoder import load_decoder_tokenizer, token_rows
 from pipetransformer.models.blocks import Activation
+from pipetransformer.models.hf_decoder import load_decoder_tokenizer, token_rows
 from pipetransformer.models.vit import PatchEmbeddings, vit_image_shape
 
 __all__ = ["build_blocks", "check_data_fits_model", "describe_model", "example_inputs", "language_model_vocabulary",
-           "load_splits",
-           "model_image_shape", "resolve_run_dir", "seed_everything"]
+           "load_splits", "model_image_shape", "resolve_run_dir", "seed_everything"]
 
 logger = logging.getLogger(__name__)
 
