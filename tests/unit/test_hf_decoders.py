@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetransformer.config import ConfigError, config_from_dict
-from pipetransformer.data.corpus import BYTES, load_corpus, tokenizer_vocabulary
+from pipetransformer.data.corpus import BYTES, TokenWindows, load_corpus, tokenizer_vocabulary
 from pipetransformer.dp.ties import TiedWeightSync
 from pipetransformer.models import BlockSplitError, build_model
 from pipetransformer.models.hf_decoder import DecoderLayer, _check_reproduces, blocks_from_hf_decoder
@@ -140,7 +140,7 @@ def test_what_the_blocks_cannot_compute_is_refused_from_the_config(config: dict[
         build_model("hf_decoder", num_labels=VOCABULARY, path=str(tmp_path))
 
 
-def test_a_byte_tokenizers_corpus_is_the_byte_corpus_and_a_tokenizer_without_an_end_is_refused() -> None:
+def test_a_byte_tokenizers_corpus_and_instructions_are_the_bytes_and_a_tokenizer_without_an_end_is_refused() -> None:
     from pipetransformer.export import byte_tokenizer
 
     tokenizer = byte_tokenizer()
@@ -149,6 +149,10 @@ def test_a_byte_tokenizers_corpus_is_the_byte_corpus_and_a_tokenizer_without_an_
     theirs = load_corpus("rotten_tomatoes", max_length=32, vocabulary=BYTES)
     for mine, bytes_ in zip(ours, theirs, strict=True):
         assert torch.equal(mine.input_ids, bytes_.input_ids) and torch.equal(mine.labels, bytes_.labels)
+    prompts, responses = ["Q: 2 plus 3? A:", "Q: caf\u00e9? A:"], [" 5", " oui"]
+    mine, bytes_ = (TokenWindows.examples(prompts, responses, 24, v) for v in (vocabulary, BYTES))
+    assert torch.equal(mine.input_ids, bytes_.input_ids) and torch.equal(mine.labels, bytes_.labels)
+    assert torch.equal(mine.attention_mask, bytes_.attention_mask)
     assert vocabulary.decode(vocabulary.encode("caf\u00e9 noir") + [256, 65]) == "caf\u00e9 noir"
     with pytest.raises(ValueError, match="has 257 tokens but the model 100 token rows"):
         tokenizer_vocabulary(tokenizer, 100, "here")
