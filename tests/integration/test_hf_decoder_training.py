@@ -5,16 +5,13 @@ freeze (the freed worker a replica, the frozen layers served from the cache), ea
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+from hf_decoders import write_decoder
 from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_decoders import write_decoder  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -4,20 +4,17 @@ gradient, the refusals, the tokenizer's corpus, and ``predict`` / ``export`` of 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hf_decoders import decoder_config, write_decoder
 from pipetransformer.config import ConfigError, config_from_dict
 from pipetransformer.data.corpus import BYTES, TokenWindows, load_corpus, tokenizer_vocabulary
 from pipetransformer.dp.ties import TiedWeightSync
 from pipetransformer.models import BlockSplitError, build_model
 from pipetransformer.models.hf_decoder import DecoderLayer, _check_reproduces, blocks_from_hf_decoder
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_decoders import decoder_config, write_decoder  # noqa: E402
 
 VOCABULARY = 257
 ROWS, TOKENS, PADDED_FROM = 3, 12, 7
