@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from pipetransformer.data.corpus import BYTE_VOCABULARY
+from pipetransformer.dp.sync import TOUCHED_ROWS_MIN_ROWS
+
 from hf_decoders import write_decoder
-from jobs import assert_close_states, optimizer_state, run_job, seen_samples, summary, weights
+from jobs import assert_close_states, logged_records, optimizer_state, run_job, seen_samples, summary, weights
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +31,9 @@ OWNER = "blocks.0.tokens.weight"
 MIRROR = "blocks.5.projection.weight"
 
 
-def _config(tmp_path: Path, family: str, *, tied: bool) -> str:
+def _config(tmp_path: Path, family: str, *, tied: bool, vocabulary: int = BYTE_VOCABULARY) -> str:
     """A config training a tiny ``family`` decoder (saved under ``tmp_path``) on Rotten Tomatoes' text."""
-    path = write_decoder(tmp_path / f"{family}-model", family, tied=tied)
+    path = write_decoder(tmp_path / f"{family}-model", family, tied=tied, vocabulary=vocabulary)
     config = {"seed": 0, "run": {"log_every": 1, "progress": False},
               "model": {"kind": "hf_decoder", "path": str(path)},
               "data": {"name": "rotten_tomatoes", "max_length": 32, "max_train_samples": 256, "max_eval_samples": 64,
@@ -85,6 +88,24 @@ def test_a_decoder_pipeline_compresses_into_replicas_served_by_the_cache(tmp_pat
     if tied:
         trained = load_file(str(elastic / "model.safetensors"))
         assert (trained[OWNER] == trained[MIRROR]).all()  # frozen together at step 3
+
+
+def test_replicas_of_a_tied_decoder_train_as_one_process_and_sum_the_table_whole(tmp_path: Path) -> None:
+    """Replicas sum a vocabulary-sized table by the rows their batches touched (``dp.touched_rows_only``), which
+    saves bytes for an input embedding only: tied to the output projection every row has a gradient, so gathering
+    row indices would add to a whole table's bytes. The tied table is summed whole, and the replicas train as one
+    process."""
+    config = _config(tmp_path, "gpt2", tied=True, vocabulary=TOUCHED_ROWS_MIN_ROWS)
+    reference, replicas = tmp_path / "reference", tmp_path / "replicas"
+    steps = ("train.max_steps=3",)
+    run_job(config, reference, *SAVE, *steps)
+    run_job(config, replicas, *SAVE, *steps, "pipe.enabled=true", "dp.enabled=true", nproc=2)
+    layout = summary(replicas)["layout_history"][0]
+    assert (layout["stages"], layout["dp_width"]) == (1, 2)
+    assert_close_states(weights(replicas), weights(reference), RTOL, ATOL)
+    trained = weights(replicas)
+    whole = sum(t.numel() * t.element_size() for name, t in trained.items() if name != MIRROR)
+    assert [step["allreduce_bytes"] for step in logged_records(replicas, "step")] == [whole] * 3
 
 
 def test_a_pipelined_tied_decoder_stopped_mid_epoch_resumes_exactly(tmp_path: Path) -> None:

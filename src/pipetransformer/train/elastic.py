@@ -171,10 +171,13 @@ class ElasticLayout:
         if placement.stage is None:
             return None
         stages = placement.plan.layout.num_stages
-        row_summed = row_summed_tables(self.model.modules(), params) if self.dp.touched_rows_only else []
+        tied = self.ties is not None and self.ties.live
+        # A tied table's gradient holds the output projection's, dense: summing it by touched rows would gather all.
+        row_summed = (row_summed_tables(self.model.modules(), params)
+                      if self.dp.touched_rows_only and not tied else [])
         # One backward per step only without a pipeline schedule: then buckets overlap backward, unless a tied
         # weight's mirror must add its gradient to the owner's first.
-        overlap = stages == 1 and not (self.ties is not None and self.ties.live)
+        overlap = stages == 1 and not tied
         sync = GradientSync(params, self.dp_group, bucket_bytes=int(self.dp.bucket_mib * BYTES_PER_MIB),
                             overlap=overlap, row_summed=row_summed)
         if stages == 1:
