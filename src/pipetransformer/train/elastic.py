@@ -173,8 +173,9 @@ class ElasticLayout:
         stages = placement.plan.layout.num_stages
         tied = self.ties is not None and self.ties.live
         # A tied table's gradient holds the output projection's, dense: summing it by touched rows would gather all.
-        row_summed = (row_summed_tables(self.model.modules(), params)
-                      if self.dp.touched_rows_only and not tied else [])
+        owners = {id(owner) for owner, _ in self.model.tied_parameters()}
+        row_summed = ([p for p in row_summed_tables(self.model.modules(), params) if id(p) not in owners]
+                      if self.dp.touched_rows_only else [])
         # One backward per step only without a pipeline schedule: then buckets overlap backward, unless a tied
         # weight's mirror must add its gradient to the owner's first.
         overlap = stages == 1 and not tied
