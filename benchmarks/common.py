@@ -216,6 +216,24 @@ def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
     return info | {"sha256": _sha256(REPO_ROOT / path)}
 
 
+FASHION_MNIST_SOURCE = Path("/usr/share/datasets/fashion-mnist")
+"""Debian's Fashion-MNIST files, installed by scripts/setup.sh."""
+
+
+def fmnist_folder(runs_dir: Path) -> str:
+    """A folder holding only the Debian Fashion-MNIST training files (links), so ``image_folder`` carves its test
+    split from them with ``data.split_seed`` instead of reading t10k, whose rows earlier runs read."""
+    folder = runs_dir / "fashion_mnist_train_only"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+        if not (FASHION_MNIST_SOURCE / name).is_file():
+            raise SystemExit(f"error: {FASHION_MNIST_SOURCE / name} is missing: run bash scripts/setup.sh")
+        link = folder / name
+        if not link.exists():
+            link.symlink_to(FASHION_MNIST_SOURCE / name)
+    return str(folder)
+
+
 def _sha256(path: Path) -> str:
     """Which backbone a run fine-tuned: pretraining need not be bit-identical across machines (it was on two VMs of
     2026-11-25, and was not on an earlier one), so accuracies pool only over runs of one backbone."""

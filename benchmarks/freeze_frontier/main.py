@@ -65,6 +65,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     RunResult,
     ensure_backbone,
     finished_run,
+    fmnist_folder,
     fmt,
     machine_info,
     markdown_table,
@@ -174,21 +175,6 @@ class FrontierTask:
     @property
     def split_seed(self) -> int:
         return next(int(o.removeprefix(SPLIT_SETTING)) for o in self.data if o.startswith(SPLIT_SETTING))
-
-
-def fmnist_folder(runs_dir: Path) -> str:
-    """A folder holding only the Debian Fashion-MNIST training files (links), so ``image_folder`` carves its test
-    split from them with ``data.split_seed`` instead of reading t10k, whose rows earlier runs read."""
-    source = Path("/usr/share/datasets/fashion-mnist")
-    folder = runs_dir / "fashion_mnist_train_only"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-        if not (source / name).is_file():
-            raise SystemExit(f"error: {source / name} is missing: run bash scripts/setup.sh")
-        link = folder / name
-        if not link.exists():
-            link.symlink_to(source / name)
-    return str(folder)
 
 
 def ensure_deep_backbone(runs_dir: Path) -> None:

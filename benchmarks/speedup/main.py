@@ -41,6 +41,7 @@ from common import (  # noqa: E402 - the shared helper lives one folder up
     RunResult,
     TaskSpec,
     ensure_backbone,
+    fmnist_folder,
     fmt,
     interleaved_order,
     machine_info,
@@ -233,7 +234,8 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
             f"Python {machine['python']}; load average at start {machine['load_average_at_start']}; "
             f"started {machine['started']}.", "",
             f"Configs `configs/{spec.prefix}_<name>.yaml`; every run adds `--set checkpoint.enabled=false "
-            f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines).",
+            f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines)"
+            f"; split overrides: `{' '.join(_split_overrides(task, args.split_seed, args.runs_dir / task)) or '(none)'}`.",
             "", *_backbone_lines(backbone),
             f"`single` runs the `ddp` config as one process using all {machine['nproc']} cores. Test accuracy "
             "is the final model's on the test split, evaluated once at the end; validation accuracy is what the "
@@ -259,10 +261,20 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
     return "\n".join(text)
 
 
-def _stem(kind: str, task: str, quick: bool, configs: list[str]) -> str:
-    """``[quick-]<kind>-<task>[-<config>...]``: a quick run or a subset of the family gets its own files (and its own
-    block in benchmarks/README.md), so it never overwrites a full run's."""
-    return f"{'quick-' if quick else ''}{kind}-{task}" + "".join(f"-{m}" for m in _subset(configs))
+def _stem(kind: str, task: str, args: argparse.Namespace) -> str:
+    """``[quick-]<kind>-<task>[-<config>...][-split<N>]``: a quick run, a subset of the family or another split gets
+    its own files (and its own block in benchmarks/README.md), so it never overwrites a full run's."""
+    split = f"-split{args.split_seed}" if args.split_seed is not None else ""
+    return f"{'quick-' if args.quick else ''}{kind}-{task}" + "".join(f"-{m}" for m in _subset(args.configs)) + split
+
+
+def _split_overrides(task: str, split_seed: int | None, runs_dir: Path) -> list[str]:
+    """Fresh test rows for ``--split-seed``: ``data.split_seed``, and for the ViT the training files alone as an
+    ``image_folder``, so its test rows come out of them instead of Fashion-MNIST's t10k, which earlier rounds read."""
+    if split_seed is None:
+        return []
+    images = ["data.name=image_folder", f"data.path={fmnist_folder(runs_dir)}"] if task == "vit" else []
+    return [*images, f"data.split_seed={split_seed}"]
 
 
 def _command(task: str, args: argparse.Namespace) -> str:
@@ -270,6 +282,7 @@ def _command(task: str, args: argparse.Namespace) -> str:
     return (f"`.venv/bin/python benchmarks/speedup/main.py --task {task} --repeats {args.repeats}"
             f"{' --seeds-per-repeat' if args.seeds_per_repeat else ''}"
             f"{' --quick' if args.quick else ''}{_configs_flag(args.configs)}"
+            f"{f' --split-seed {args.split_seed}' if args.split_seed is not None else ''}"
             f"{' --no-reference' if args.no_reference and task == 'text' else ''}`")
 
 
@@ -340,19 +353,20 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
     runs_dir.mkdir(parents=True, exist_ok=True)
     members = [m for m in FAMILY if m in args.configs]
     backbone = ensure_backbone(spec, runs_dir)
+    split = _split_overrides(task, args.split_seed, runs_dir)
     results = []
     for repeat, member in interleaved_order(members, args.repeats):
         variant = VARIANTS.get(member, Member(member))
         overrides = spec.quick_overrides(variant.family_member) if args.quick else []
         seed = [f"seed={repeat}"] if args.seeds_per_repeat else []
         results.append(run_training(member, spec.config(variant.family_member), repeat, runs_dir,
-                                    [*overrides, *variant.overrides, *seed], nproc=variant.nproc))
+                                    [*overrides, *split, *variant.overrides, *seed], nproc=variant.nproc))
     reference = _run_reference(runs_dir) if task == "text" and not args.no_reference else []
     table = _aggregate(results)
     for row in table.values():
         row["seeded"] = args.seeds_per_repeat
-    stem = _stem("results" + ("-seeded" if args.seeds_per_repeat else ""), task, args.quick, args.configs)
-    png = _report(_stem("report", task, args.quick, args.configs), results, runs_dir)
+    stem = _stem("results" + ("-seeded" if args.seeds_per_repeat else ""), task, args)
+    png = _report(_stem("report", task, args), results, runs_dir)
     markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
                "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
@@ -389,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a subset of the family (the speed-ups need no_freeze and ddp or single)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR, help="where run directories go")
     parser.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch DDP reference")
+    parser.add_argument("--split-seed", type=int, default=None,
+                        help="fresh test rows: data.split_seed (the ViT's test rows then come out of the training "
+                             "files, not t10k); register the split before its first run")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 from types import ModuleType
 
@@ -17,11 +18,26 @@ def speedup() -> ModuleType:
     return load_benchmark("speedup")
 
 
-def test_a_quick_run_or_a_subset_gets_its_own_files(speedup: ModuleType) -> None:
+def test_a_quick_run_a_subset_or_another_split_gets_its_own_files(speedup: ModuleType) -> None:
     family = list(speedup.FAMILY)
-    assert speedup._stem("results", "text", False, family) == "results-text"
-    assert speedup._stem("results", "text", True, family) == "quick-results-text"
-    assert speedup._stem("report", "vit", False, ["all", "ddp", "single"]) == "report-vit-single-ddp-all"
+
+    def run(quick: bool, configs: list[str], split_seed: int | None = None) -> Namespace:
+        return Namespace(quick=quick, configs=configs, split_seed=split_seed)
+
+    assert speedup._stem("results", "text", run(False, family)) == "results-text"
+    assert speedup._stem("results", "text", run(True, family)) == "quick-results-text"
+    assert speedup._stem("report", "vit", run(False, ["all", "ddp", "single"])) == "report-vit-single-ddp-all"
+    assert speedup._stem("results", "vit", run(False, ["all", "ddp"], 56)) == "results-vit-ddp-all-split56"
+
+
+def test_a_fresh_split_of_the_vit_reads_its_test_rows_out_of_the_training_files(speedup: ModuleType,
+                                                                                 tmp_path: Path) -> None:
+    assert speedup._split_overrides("vit", None, tmp_path) == []
+    assert speedup._split_overrides("text", 56, tmp_path) == ["data.split_seed=56"]
+    name, path, seed = speedup._split_overrides("vit", 56, tmp_path)
+    assert (name, seed) == ("data.name=image_folder", "data.split_seed=56")
+    folder = Path(path.removeprefix("data.path="))
+    assert sorted(p.name for p in folder.iterdir()) == ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]
 
 
 def test_a_block_is_replaced_and_the_text_around_it_kept(speedup: ModuleType, tmp_path: Path) -> None:
