@@ -228,6 +228,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
               "layouts (@step frozen stages x dp, cN = cached blocks)", "load avg"]
     mode = "quick" if args.quick else "full"
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
+    split_overrides = " ".join(_split_overrides(task, args.split_seed, args.runs_dir / task)) or "(none)"
     text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
             f"Command: {_command(task, args)}", "",
             f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
@@ -235,7 +236,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
             f"started {machine['started']}.", "",
             f"Configs `configs/{spec.prefix}_<name>.yaml`; every run adds `--set checkpoint.enabled=false "
             f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines)"
-            f"; split overrides: `{' '.join(_split_overrides(task, args.split_seed, args.runs_dir / task)) or '(none)'}`.",
+            f"; split overrides: `{split_overrides}`.",
             "", *_backbone_lines(backbone),
             f"`single` runs the `ddp` config as one process using all {machine['nproc']} cores. Test accuracy "
             "is the final model's on the test split, evaluated once at the end; validation accuracy is what the "
