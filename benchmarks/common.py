@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.config import load_config
+from pipetransformer.config import FreezeConfig, load_config
 
 __all__ = [
     "REPO_ROOT",
@@ -214,6 +214,12 @@ def ensure_backbone(spec: TaskSpec, runs_dir: Path) -> dict[str, Any] | None:
         raise RuntimeError(f"pretraining the backbone failed (exit {completed.returncode}); see {log_path}")
     info["made_here_s"] = time.perf_counter() - started
     return info | {"sha256": _sha256(REPO_ROOT / path)}
+
+
+PACKAGE_FREEZER = f"freeze.evidence_max_fraction={FreezeConfig.evidence_max_fraction}"
+"""``configs/vit_fashion_all.yaml`` caps its freezer at 2 of 6 layers for the README's first command; benchmarks that
+compare freeze rules put the package's default back first, so their ``all`` arms run the package's freezer (an arm's
+own settings come after it and win)."""
 
 
 FASHION_MNIST_SOURCE = Path("/usr/share/datasets/fashion-mnist")

@@ -59,6 +59,7 @@ from pipetransformer.report import combined_se, seeds_difference
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
+    PACKAGE_FREEZER,
     REPO_ROOT,
     TASKS,
     Member,
@@ -102,6 +103,8 @@ DEEP_PRETRAIN_EPOCHS = 10
 """The 12-layer ViT's masked-patch pretraining, as the 6-layer backbone's (``common.TASKS['vit']``)."""
 NO_BUDGET = "pipe.device_memory_gb=null"
 """The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
+PACKAGE_ALL = (NO_BUDGET, PACKAGE_FREEZER)
+"""What every arm built on ``configs/<task>_all.yaml`` starts from: no memory budget, the package's freezer."""
 VALIDATION, TEST = "validation", "test"
 SUMMARY_KEY = {VALIDATION: "eval_accuracy", TEST: "test_accuracy"}
 """The final model's accuracy on each split."""
@@ -109,12 +112,12 @@ SUMMARY_KEY = {VALIDATION: "eval_accuracy", TEST: "test_accuracy"}
 ARMS: dict[str, Member] = {
     "ddp": Member("ddp"),
     "single": Member("ddp", nproc=1),
-    "embed": Member("all", (NO_BUDGET, "freeze.policy=none", "freeze.prior=embeddings")),
-    **{f"fixed{k}": Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
+    "embed": Member("all", (*PACKAGE_ALL, "freeze.policy=none", "freeze.prior=embeddings")),
+    **{f"fixed{k}": Member("all", (*PACKAGE_ALL, "freeze.policy=schedule", "freeze.interval_unit=steps",
                                    f"freeze.schedule=[[0,{k}]]", "freeze.prior=embeddings")) for k in FIXED_DEPTHS},
-    "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
+    "geometric": Member("all", (*PACKAGE_ALL, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=none")),
-    "default": Member("all", (NO_BUDGET,)),
+    "default": Member("all", (*PACKAGE_ALL,)),
 }
 QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
 HALF = "freeze.max_fraction=0.5"
@@ -123,17 +126,17 @@ COHERENCE = ("freeze.policy=coherence", "freeze.max_advance=1")
 """The coherence test with one more layer per window (the package's default policy until 2026-12-04): every candidate of
 round ``choice`` ran it."""
 CANDIDATES: dict[str, Member] = {
-    "half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=embeddings")),
-    "prior1_half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=1")),
-    "prior2_half": Member("all", (NO_BUDGET, *COHERENCE, HALF, "freeze.prior=2")),
-    "prior1_third": Member("all", (NO_BUDGET, *COHERENCE, "freeze.max_fraction=0.34", "freeze.prior=1")),
-    "previous_default": Member("all", (NO_BUDGET, *COHERENCE, "freeze.evidence_max_fraction=null",
+    "half": Member("all", (*PACKAGE_ALL, *COHERENCE, HALF, "freeze.prior=embeddings")),
+    "prior1_half": Member("all", (*PACKAGE_ALL, *COHERENCE, HALF, "freeze.prior=1")),
+    "prior2_half": Member("all", (*PACKAGE_ALL, *COHERENCE, HALF, "freeze.prior=2")),
+    "prior1_third": Member("all", (*PACKAGE_ALL, *COHERENCE, "freeze.max_fraction=0.34", "freeze.prior=1")),
+    "previous_default": Member("all", (*PACKAGE_ALL, *COHERENCE, "freeze.evidence_max_fraction=null",
                                        "freeze.prior=embeddings")),
-    "coherence_default": Member("all", (NO_BUDGET, *COHERENCE, "freeze.prior=auto")),
-    "descent_third": Member("all", (NO_BUDGET, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
+    "coherence_default": Member("all", (*PACKAGE_ALL, *COHERENCE, "freeze.prior=auto")),
+    "descent_third": Member("all", (*PACKAGE_ALL, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
                                     "freeze.max_advance=null", "freeze.prior=none",
                                     f"freeze.evidence_max_fraction={1 / 3}")),
-    **{f"descent_t{tag}": Member("all", (NO_BUDGET, "freeze.policy=descent", f"freeze.descent_threshold={threshold}",
+    **{f"descent_t{tag}": Member("all", (*PACKAGE_ALL, "freeze.policy=descent", f"freeze.descent_threshold={threshold}",
                                          "freeze.max_advance=null", "freeze.prior=none",
                                          "freeze.evidence_max_fraction=0.5"))
        for tag, threshold in (("2", -2.0), ("3", -3.0))},

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
     DISTURBED_LOAD,
+    PACKAGE_FREEZER,
     REPO_ROOT,
     TASKS,
     Member,
@@ -75,6 +76,8 @@ LEARNED_MIN_STEPS = 2 * FreezeConfig.min_window_steps
 """``all_learned20``: a layer has learned once its coherence stayed at or above the threshold for two floor windows."""
 NO_BUDGET = "pipe.device_memory_gb=null"
 """The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
+PACKAGE_ALL = (NO_BUDGET, PACKAGE_FREEZER)
+"""What every arm built on ``configs/<task>_all.yaml`` starts from: no memory budget, the package's freezer."""
 FINAL_VALIDATION = "eval_accuracy"
 """The final model's validation accuracy (the last evaluation), as ``test_accuracy`` is the final model's on test."""
 PER_SAMPLE_PREFIX = "per-sample-"
@@ -89,23 +92,23 @@ DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 CONFIGS: dict[str, Member] = {
     "ddp": Member("ddp"),
     "single": Member("ddp", nproc=1),
-    "all": Member("all", (NO_BUDGET,)),
+    "all": Member("all", (*PACKAGE_ALL,)),
     "freeze_only": Member("freeze_only"),
     # the fixed and geometric arms pin the prior `auto` meant until 2026-11-28, when it became a third of the layers
-    **{name: Member("all", (NO_BUDGET, "freeze.policy=schedule", "freeze.interval_unit=steps",
+    **{name: Member("all", (*PACKAGE_ALL, "freeze.policy=schedule", "freeze.interval_unit=steps",
                             f"freeze.schedule=[[0,{layers}]]", "freeze.prior=embeddings"))
        for name, layers in FIXED_FREEZES.items()},
-    "geometric": Member("all", (NO_BUDGET, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
+    "geometric": Member("all", (*PACKAGE_ALL, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=embeddings")),
     # candidate defaults, run only when named in --configs (own results file, paired through --pool); all_third was
     # adopted as the package default on 2026-11-25, so it equals all since, and stays for its recorded files
-    "all_third": Member("all", (NO_BUDGET, f"freeze.max_fraction={THIRD}")),
+    "all_third": Member("all", (*PACKAGE_ALL, f"freeze.max_fraction={THIRD}")),
     # a layer's coherence test starts once any layer has learned, not only once it has itself: adopted as the package
     # default on 2026-11-26, so it equals all since
-    "all_anylayer": Member("all", (NO_BUDGET, "freeze.learned_by=any_layer")),
+    "all_anylayer": Member("all", (*PACKAGE_ALL, "freeze.learned_by=any_layer")),
     # learning counts once it lasts two windows of the 10-step floor (a longer window counts alone): adopted as the
     # package default on 2026-11-27, so it equals all since
-    "all_learned20": Member("all", (NO_BUDGET, f"freeze.learned_min_steps={LEARNED_MIN_STEPS}")),
+    "all_learned20": Member("all", (*PACKAGE_ALL, f"freeze.learned_min_steps={LEARNED_MIN_STEPS}")),
 }
 CANDIDATES = ("all_third", "all_anylayer", "all_learned20")
 """Configs that try a changed package default; the benchmark's own comparison leaves them out."""

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmark_scripts import load_benchmark
+from pipetransformer.config import FreezeConfig, load_config
 from pipetransformer.metrics import TEST_SAMPLES_FILE
 
 frontier = load_benchmark("freeze_frontier")
+CONFIG_DIR = frontier.CONFIG_DIR
 RunResult = frontier.RunResult
 
 
@@ -165,3 +168,12 @@ def test_a_fresh_split_is_judged_beside_earlier_splits_fixed_arms_pooled(tmp_pat
     lines = frontier.verdicts("fashion_mnist", table)
     assert "`fixed2` 1.35x" in lines[1] and "0.93 of it" in lines[1] and "MISSED" in lines[1]
     assert "two launches" in lines[1]
+
+
+@pytest.mark.parametrize("family", ["vit_fashion", "text_minilm"])
+def test_the_default_arm_runs_the_packages_freezer_whatever_the_first_command_caps(family: str) -> None:
+    """configs/vit_fashion_all.yaml caps the README's first command at 2 of 6 layers; an arm judged as the package's
+    default must not inherit that cap (without ``PACKAGE_FREEZER`` the ViT's default arm froze at most 2 layers)."""
+    arm = frontier.ARMS["default"]
+    config = load_config(CONFIG_DIR / f"{family}_{arm.family_member}.yaml", list(arm.overrides))
+    assert config.freeze == replace(FreezeConfig(), enabled=True)
