@@ -59,7 +59,7 @@ from pipetransformer.report import combined_se, seeds_difference
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
-    PACKAGE_FREEZER,
+    PACKAGE_ALL,
     REPO_ROOT,
     TASKS,
     Member,
@@ -101,10 +101,6 @@ DEEP_DEPTH = 12
 DEEP_BACKBONE = "pretrained/vit_fashion_12.safetensors"
 DEEP_PRETRAIN_EPOCHS = 10
 """The 12-layer ViT's masked-patch pretraining, as the 6-layer backbone's (``common.TASKS['vit']``)."""
-NO_BUDGET = "pipe.device_memory_gb=null"
-"""The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
-PACKAGE_ALL = (NO_BUDGET, PACKAGE_FREEZER)
-"""What every arm built on ``configs/<task>_all.yaml`` starts from: no memory budget, the package's freezer."""
 VALIDATION, TEST = "validation", "test"
 SUMMARY_KEY = {VALIDATION: "eval_accuracy", TEST: "test_accuracy"}
 """The final model's accuracy on each split."""
@@ -117,7 +113,7 @@ ARMS: dict[str, Member] = {
                                    f"freeze.schedule=[[0,{k}]]", "freeze.prior=embeddings")) for k in FIXED_DEPTHS},
     "geometric": Member("all", (*PACKAGE_ALL, "freeze.policy=geometric", f"freeze.alpha={GEOMETRIC_ALPHA}",
                                  f"freeze.max_fraction={GEOMETRIC_MAX_FRACTION}", "freeze.prior=none")),
-    "default": Member("all", (*PACKAGE_ALL,)),
+    "default": Member("all", PACKAGE_ALL),
 }
 QUICK_ARMS = ("ddp", "single", "embed", "fixed2", "default")
 HALF = "freeze.max_fraction=0.5"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
     DISTURBED_LOAD,
-    PACKAGE_FREEZER,
+    PACKAGE_ALL,
     REPO_ROOT,
     TASKS,
     Member,
@@ -74,10 +74,6 @@ THIRD = 1 / 3
 """``all_third``: at most a third of the layers freezes (two of MiniLM's and the ViT's six)."""
 LEARNED_MIN_STEPS = 2 * FreezeConfig.min_window_steps
 """``all_learned20``: a layer has learned once its coherence stayed at or above the threshold for two floor windows."""
-NO_BUDGET = "pipe.device_memory_gb=null"
-"""The model fits one worker: the planner picks the layout, as a user without a memory limit gets."""
-PACKAGE_ALL = (NO_BUDGET, PACKAGE_FREEZER)
-"""What every arm built on ``configs/<task>_all.yaml`` starts from: no memory budget, the package's freezer."""
 FINAL_VALIDATION = "eval_accuracy"
 """The final model's validation accuracy (the last evaluation), as ``test_accuracy`` is the final model's on test."""
 PER_SAMPLE_PREFIX = "per-sample-"
@@ -92,7 +88,7 @@ DEBATES_FILE = ("data", "presidential_debates_2016.csv.gz")
 CONFIGS: dict[str, Member] = {
     "ddp": Member("ddp"),
     "single": Member("ddp", nproc=1),
-    "all": Member("all", (*PACKAGE_ALL,)),
+    "all": Member("all", PACKAGE_ALL),
     "freeze_only": Member("freeze_only"),
     # the fixed and geometric arms pin the prior `auto` meant until 2026-11-28, when it became a third of the layers
     **{name: Member("all", (*PACKAGE_ALL, "freeze.policy=schedule", "freeze.interval_unit=steps",

@@ -211,7 +211,7 @@ def _breakdown_table(table: dict[str, dict[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
-def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[str, dict[str, Any]],
+def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, split: list[str], table: dict[str, dict[str, Any]],
               machine: dict[str, Any], reference: list[dict[str, Any]], png: str | None,
               backbone: dict[str, Any] | None) -> str:
     rows = []
@@ -228,7 +228,6 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
               "layouts (@step frozen stages x dp, cN = cached blocks)", "load avg"]
     mode = "quick" if args.quick else "full"
     overrides = " ".join(f"--set {o}" for o in spec.quick_overrides("all")) if args.quick else "(none)"
-    split_overrides = " ".join(_split_overrides(task, args.split_seed, args.runs_dir / task)) or "(none)"
     text = [f"# Speed-up, task `{task}` ({mode}), {NPROC} workers, {args.repeats} repeat(s)", "",
             f"Command: {_command(task, args)}", "",
             f"Machine: {machine['nproc']} cores, {machine['mem_total_gib']} GiB, torch {machine['torch']}, "
@@ -236,7 +235,7 @@ def _markdown(task: str, spec: TaskSpec, args: argparse.Namespace, table: dict[s
             f"started {machine['started']}.", "",
             f"Configs `configs/{spec.prefix}_<name>.yaml`; every run adds `--set checkpoint.enabled=false "
             f"--set run.progress=false`; quick overrides: `{overrides}` (no `freeze.interval` for the baselines)"
-            f"; split overrides: `{split_overrides}`.",
+            f"; split overrides: `{' '.join(split) or '(none)'}`.",
             "", *_backbone_lines(backbone),
             f"`single` runs the `ddp` config as one process using all {machine['nproc']} cores. Test accuracy "
             "is the final model's on the test split, evaluated once at the end; validation accuracy is what the "
@@ -368,7 +367,7 @@ def _run_task(task: str, args: argparse.Namespace, machine: dict[str, Any]) -> d
         row["seeded"] = args.seeds_per_repeat
     stem = _stem("results" + ("-seeded" if args.seeds_per_repeat else ""), task, args)
     png = _report(_stem("report", task, args), results, runs_dir)
-    markdown = _markdown(task, spec, args, table, machine, reference, png, backbone)
+    markdown = _markdown(task, spec, args, split, table, machine, reference, png, backbone)
     payload = {"task": task, "quick": args.quick, "repeats": args.repeats, "machine": machine,
                "spec": asdict(spec), "backbone": backbone, "table": table, "reference": reference, "runs": results}
     md_path, _ = write_results(RESULTS, stem, markdown, payload)
