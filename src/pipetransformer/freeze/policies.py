@@ -747,17 +747,23 @@ class DescentPolicy(FreezePolicy):
     has learned (a window in which some layer's ``T`` reached ``LEARNING_T``: the first steps, with a random head and
     a learning rate near zero, say nothing). The layers below the first active layer that has not stopped freeze (a
     layer still learning keeps itself and everything above it training), at most ``max_advance`` more per window,
-    within ``evidence_max_fraction`` of the layers (the top layers keep training) and ``max_fraction`` when set. No
-    learning-rate budget: the test itself says when a layer has nothing left to gain, early or late. Every window
-    records each layer's ``T`` and, per layer, why it froze or did not (``reasons``).
+    within ``evidence_max_fraction`` of the layers (the top layers keep training) and ``max_fraction`` when set.
+    With ``early_max_fraction``, only that share of the layers freezes whenever the test allows; deeper layers wait
+    for the learning-rate budget (``budget_layers``): the test says whether a layer still learns, not what freezing it
+    costs, and on the image tasks that cost grew with depth and shrank the later the freeze came (the frontier's
+    LOG). Every window records each layer's ``T`` and, per layer, why it froze or did not (``reasons``).
     """
 
     name = "descent"
 
     def __init__(self, num_layers: int, *, threshold: float, max_advance: int | None,
-                 evidence_max_fraction: float | None = None, **common: Any) -> None:
+                 evidence_max_fraction: float | None = None, early_max_fraction: float | None = None,
+                 **common: Any) -> None:
         super().__init__(num_layers, **common)
         self._cap_evidence(evidence_max_fraction)
+        # layers the test may freeze whenever it finds them stopped; deeper ones wait for the learning-rate budget
+        self.early_cap = (None if early_max_fraction is None else
+                          max(self.prior_layers, math.floor(early_max_fraction * num_layers + _FLOAT_SLACK)))
         self.threshold = threshold
         self.max_advance = max_advance
         self.decisions = 0
@@ -821,16 +827,20 @@ class DescentPolicy(FreezePolicy):
 
         candidate = next((i for i in active if not stopped(i)), self.num_layers)
         bound = min(self.num_layers, self.evidence_cap)
+        budget_limit = self.num_layers
+        if self.early_cap is not None:
+            budget_limit = max(self.early_cap, self.budget())
+            bound = min(bound, budget_limit)
         advance_limit = self.num_layers
         details: dict[str, Any] = {"decision_index": self.decisions, "descent_t": t_values,
                                    "threshold": self.threshold, "candidate": candidate, "bound": bound,
                                    "spent": self.spent_share(), "cap": self.max_frozen,
-                                   "evidence_cap": self.evidence_cap}
+                                   "evidence_cap": self.evidence_cap, "early_cap": self.early_cap}
         if self.max_advance is not None:
             advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
         target = self._bounded_prefix(min(candidate, advance_limit), bound)
-        holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_ADVANCE: advance_limit,
-                 HELD_BY_MAX_FRACTION: self.max_frozen}
+        holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_BUDGET: budget_limit,
+                 HELD_BY_ADVANCE: advance_limit, HELD_BY_MAX_FRACTION: self.max_frozen}
         reasons = []
         for layer, t in enumerate(t_values):
             if layer in self.frozen:
@@ -924,6 +934,7 @@ def make_policy(
     learned_by: str = FreezeConfig.learned_by,
     learned_min_steps: int = FreezeConfig.learned_min_steps,
     descent_threshold: float = FreezeConfig.descent_threshold,
+    early_max_fraction: float | None = FreezeConfig.early_max_fraction,
     prior_layers: int = 0,
     spent: Sequence[float] | None = None,
 ) -> FreezePolicy:
@@ -946,7 +957,7 @@ def make_policy(
     check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction,
                         evidence_max_fraction=evidence_max_fraction, max_change=max_change, threshold=threshold,
                         max_advance=max_advance, learned_by=learned_by, learned_min_steps=learned_min_steps,
-                        descent_threshold=descent_threshold)
+                        descent_threshold=descent_threshold, early_max_fraction=early_max_fraction)
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     if not 0 <= prior_layers < num_layers:
@@ -955,7 +966,8 @@ def make_policy(
                               "prior_layers": prior_layers, "spent": spent}
     if name == "descent":
         return DescentPolicy(num_layers, threshold=descent_threshold, max_advance=max_advance,
-                             evidence_max_fraction=evidence_max_fraction, **common)
+                             evidence_max_fraction=evidence_max_fraction, early_max_fraction=early_max_fraction,
+                             **common)
     if name == "coherence":
         return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance, learned_by=learned_by,
                                learned_min_steps=learned_min_steps, evidence_max_fraction=evidence_max_fraction,
@@ -1004,5 +1016,5 @@ def policy_from_settings(settings: FreezeConfig, num_layers: int, *, seed: int, 
                        max_change=settings.max_change, threshold=settings.threshold,
                        max_advance=settings.max_advance, learned_by=settings.learned_by,
                        learned_min_steps=settings.learned_min_steps, descent_threshold=settings.descent_threshold,
-                       seed=seed,
+                       early_max_fraction=settings.early_max_fraction, seed=seed,
                        prior_layers=prior_layers if enabled else 0, spent=spent_shares(rates))
