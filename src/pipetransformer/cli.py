@@ -389,7 +389,8 @@ def _replay(args: argparse.Namespace) -> int:
                                       learning_rates=[lr_at(step, len(steps), config.train) for step in range(len(steps))])
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    read = {"descent": ("descent_threshold", "max_advance", "evidence_max_fraction", "early_max_fraction"),
+    read = {"descent": ("descent_threshold", "max_advance", "evidence_max_fraction", "early_max_fraction",
+                        "jitter_max_share"),
             "coherence": ("threshold", "max_advance", "learned_by", "learned_min_steps", "evidence_max_fraction"),
             "gradient": ("percentile", "max_change", "evidence_max_fraction"),
             "geometric": ("alpha",), "random": ("alpha",), "schedule": ("schedule",)}.get(f.policy, ())

@@ -172,6 +172,7 @@ class FreezeConfig:
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     evidence_max_fraction: float | None = 0.5  # descent, coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
     early_max_fraction: float | None = None  # descent policy: the test may freeze up to this share of the layers as soon as it finds them stopped; deeper, up to evidence_max_fraction, only within the learning-rate budget (a layer frozen with a share r of the learning rate to come forgoes that share of its updates; null: no budget below evidence_max_fraction)
+    jitter_max_share: float | None = None  # descent policy: the frozen prefix may hold at most this share of the model's jitter (per layer the loss its own updates add on new batches, -mean descent over its last window; a frozen layer keeps the value it froze with): where the jitter sits, annealing still gains, so freezing stops short of it (null: no such bound)
     max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 
@@ -193,7 +194,7 @@ class FreezeConfig:
                             evidence_max_fraction=self.evidence_max_fraction, max_change=self.max_change,
                             threshold=self.threshold, max_advance=self.max_advance, learned_by=self.learned_by,
                             learned_min_steps=self.learned_min_steps, descent_threshold=self.descent_threshold,
-                            early_max_fraction=self.early_max_fraction)
+                            early_max_fraction=self.early_max_fraction, jitter_max_share=self.jitter_max_share)
         if self.policy == "schedule" and self.enabled and not self.schedule:
             raise ConfigError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
         previous: list[int] | None = None
@@ -210,10 +211,13 @@ class FreezeConfig:
 def check_freeze_values(*, alpha: float, percentile: float, max_fraction: float | None,
                         evidence_max_fraction: float | None, max_change: float | None,
                         threshold: float, max_advance: int | None, learned_by: str, learned_min_steps: int,
-                        descent_threshold: float = 0.0, early_max_fraction: float | None = None) -> None:
+                        descent_threshold: float = 0.0, early_max_fraction: float | None = None,
+                        jitter_max_share: float | None = None) -> None:
     """The freeze settings' ranges, checked once for the config and the Python API (``freeze.make_policy``)."""
     if early_max_fraction is not None and not 0.0 <= early_max_fraction <= 1.0:
         raise ConfigError(f"freeze.early_max_fraction must be in [0, 1] (or null), got {early_max_fraction}")
+    if jitter_max_share is not None and not 0.0 <= jitter_max_share <= 1.0:
+        raise ConfigError(f"freeze.jitter_max_share must be in [0, 1] (or null), got {jitter_max_share}")
     if not math.isfinite(descent_threshold):
         raise ConfigError(f"freeze.descent_threshold must be a finite number (a t-statistic), got {descent_threshold}")
     if not 0.0 < threshold < 1.0:

@@ -857,3 +857,65 @@ def test_descent_keeps_to_the_evidence_cap_and_one_layer_a_window_by_default() -
     assert [len(d.frozen) if d else 0 for d in decisions] == [0, 0, 1, 2, 3, 0]
     assert policy.last_window is not None and policy.last_window["reasons"][3] == "held:evidence_max_fraction"
     assert policy.outcome() == "3 of 6 layers frozen in 6 decision windows"
+
+
+def test_descent_freezes_the_early_share_at_once_and_deeper_layers_within_the_learning_rate_budget() -> None:
+    """``early_max_fraction`` 1/3 of six layers: two freeze as soon as the test allows; the third, which the test found
+    stopped too, waits until half the run's learning rate is spent (``budget_layers``: 3 of 6 at 0.5), and the
+    half-depth cap still holds the fourth. Without the setting all three freeze at once."""
+    stopped = [-1.0] * NUM_LAYERS
+    windows = [LEARNING, *[stopped] * 9]
+    flat = [(step + 1) / (4 * len(windows)) for step in range(4 * len(windows))]  # spent = share of the steps done
+    policy, decisions = descent_windows(windows, evidence_max_fraction=0.5, early_max_fraction=1 / 3, spent=flat)
+    # windows of 4 steps of 40: the third ends at 0.3 of the learning rate spent, the fifth at 0.5
+    assert [len(d.frozen) if d else None for d in decisions] == [None, None, 2, None, 3, None, None, None, None, None]
+    assert policy.last_window is not None and policy.last_window["reasons"][3] == "held:evidence_max_fraction"
+    _, decisions = descent_windows(windows[:3], evidence_max_fraction=0.5, spent=flat)
+    assert decisions[2] is not None and len(decisions[2].frozen) == 3
+
+
+def test_descent_records_a_layer_the_learning_rate_budget_holds() -> None:
+    stopped = [-1.0] * NUM_LAYERS
+    policy, _ = descent_windows([LEARNING, stopped, stopped, stopped], evidence_max_fraction=0.5,
+                                early_max_fraction=1 / 3, spent=[(step + 1) / 40 for step in range(40)])
+    assert policy.last_window is not None
+    assert policy.last_window["reasons"][:4] == ["frozen", "frozen", "held:budget", "held:evidence_max_fraction"]
+    assert policy.last_window["early_cap"] == 2
+
+
+def test_early_max_fraction_is_checked() -> None:
+    with pytest.raises(ValueError, match="early_max_fraction must be in"):
+        build("descent", early_max_fraction=1.5)
+
+
+def test_descent_stops_where_the_frozen_prefix_would_hold_more_than_its_share_of_the_jitter() -> None:
+    """Every layer stopped; each layer's jitter is its mean loss rise per step (-mean descent). With the jitter spread
+    evenly over six layers, half of it is three layers; piled on the top layers (as on the 12-layer ViT), the bottom
+    half holds little of it and freezes whole; piled on the bottom layer, even it holds more than half."""
+    def depth(jitter: list[float], share: float = 0.5) -> int:
+        stopped = [-value for value in jitter]
+        policy, decisions = descent_windows([LEARNING, stopped, stopped], spread=0.01, evidence_max_fraction=None,
+                                            jitter_max_share=share)
+        assert policy.last_window is not None and policy.last_window["jitter"] == pytest.approx(jitter)
+        return len(decisions[2].frozen) if decisions[2] else 0
+
+    assert depth([1.0] * 6) == 3
+    assert depth([1.0] * 6, share=0.4) == 2
+    assert depth([0.2, 0.2, 0.2, 2.0, 2.0, 2.0]) == 4  # the fifth layer would bring the prefix to 4.6 of 6.6
+    assert depth([6.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 0
+
+
+def test_a_frozen_layer_keeps_the_jitter_it_froze_with() -> None:
+    """Layers 0-1 freeze with jitter 1 each of 6; later the active layers' jitter falls tenfold (the learning rate
+    decays), so the frozen pair holds 2 of 2.4 and nothing more may freeze, though the test finds every layer stopped."""
+    early = [-1.0] * NUM_LAYERS
+    late: list[float | None] = [None, None] + [-0.1] * (NUM_LAYERS - 2)  # frozen layers measure nothing
+    policy, decisions = descent_windows([LEARNING, early, early, late, late], spread=0.01, evidence_max_fraction=None,
+                                        jitter_max_share=0.4)
+    assert decisions[2] is not None and decisions[2].frozen == frozenset({0, 1})
+    assert decisions[3] is None and decisions[4] is None
+    assert policy.jitter[:2] == pytest.approx([1.0, 1.0]) and policy.jitter[2:] == pytest.approx([0.1] * 4)
+    assert policy.last_window is not None and policy.last_window["reasons"][2] == "held:jitter_max_share"
+    restored = build("descent", interval=4, max_advance=None, evidence_max_fraction=None, jitter_max_share=0.4)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.jitter == policy.jitter

@@ -67,6 +67,7 @@ with nothing frozen."""
 FROZEN_BEFORE, FREEZES = "frozen", "freezes"
 HELD_BY_BUDGET, HELD_BY_ADVANCE, HELD_BY_MAX_FRACTION = "held:budget", "held:max_advance", "held:max_fraction"
 HELD_BY_EVIDENCE_CAP = "held:evidence_max_fraction"
+HELD_BY_JITTER = "held:jitter_max_share"
 NOT_LEARNED, LEARNING, ONE_WINDOW_BELOW, ABOVE_LEARNING = "not_learned", "learning", "one_window_below", "above_learning"
 DESCENDING = "descending"
 REASONS = {
@@ -74,6 +75,8 @@ REASONS = {
     FREEZES: "converged: freezes in this window",
     HELD_BY_EVIDENCE_CAP: "converged, held back by freeze.evidence_max_fraction (the top layers keep training)",
     HELD_BY_BUDGET: "converged, held back by the learning-rate budget (budget_layers)",
+    HELD_BY_JITTER: "converged, held back by freeze.jitter_max_share (the frozen prefix would hold too much of the "
+                    "model's jitter)",
     HELD_BY_ADVANCE: "converged, held back by freeze.max_advance (one more layer per window)",
     HELD_BY_MAX_FRACTION: "converged, held back by freeze.max_fraction",
     NOT_LEARNED: "the test has not started: no learning seen yet (freeze.learned_by, learned_min_steps)",
@@ -758,7 +761,7 @@ class DescentPolicy(FreezePolicy):
 
     def __init__(self, num_layers: int, *, threshold: float, max_advance: int | None,
                  evidence_max_fraction: float | None = None, early_max_fraction: float | None = None,
-                 **common: Any) -> None:
+                 jitter_max_share: float | None = None, **common: Any) -> None:
         super().__init__(num_layers, **common)
         self._cap_evidence(evidence_max_fraction)
         # layers the test may freeze whenever it finds them stopped; deeper ones wait for the learning-rate budget
@@ -770,6 +773,10 @@ class DescentPolicy(FreezePolicy):
         self.windows_below = [0] * num_layers  # consecutive windows, up to the last, with T below the threshold
         self.learned = False  # some layer's T reached LEARNING_T in a window that ended
         self.previous_t: list[float | None] = [None] * num_layers
+        self.jitter_max_share = jitter_max_share
+        # per layer, the loss its own updates added on new batches (-mean descent, at least 0) in the last window it
+        # trained through: a frozen layer keeps the value it froze with
+        self.jitter = [0.0] * num_layers
         self._reset_window()
 
     def windows_before_a_freeze(self, window_steps: int) -> int:
@@ -811,6 +818,9 @@ class DescentPolicy(FreezePolicy):
             return None
         t_values = self.window_t()
         self.previous_t = t_values
+        for layer, (total, count) in enumerate(zip(self.descent_sum, self.valid_steps)):
+            if layer not in self.frozen and count > 0:
+                self.jitter[layer] = max(0.0, -float(total) / int(count))
         self._reset_window()
         learned_before = self.learned
         self.learned = learned_before or any(t is not None and t >= LEARNING_T for t in t_values)
@@ -831,15 +841,19 @@ class DescentPolicy(FreezePolicy):
         if self.early_cap is not None:
             budget_limit = max(self.early_cap, self.budget())
             bound = min(bound, budget_limit)
+        jitter_limit = self.num_layers
+        if self.jitter_max_share is not None:
+            jitter_limit = self.jitter_prefix(self.jitter_max_share)
+            bound = min(bound, jitter_limit)
         advance_limit = self.num_layers
-        details: dict[str, Any] = {"decision_index": self.decisions, "descent_t": t_values,
+        details: dict[str, Any] = {"decision_index": self.decisions, "descent_t": t_values, "jitter": list(self.jitter),
                                    "threshold": self.threshold, "candidate": candidate, "bound": bound,
                                    "spent": self.spent_share(), "cap": self.max_frozen,
                                    "evidence_cap": self.evidence_cap, "early_cap": self.early_cap}
         if self.max_advance is not None:
             advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
         target = self._bounded_prefix(min(candidate, advance_limit), bound)
-        holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_BUDGET: budget_limit,
+        holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_JITTER: jitter_limit, HELD_BY_BUDGET: budget_limit,
                  HELD_BY_ADVANCE: advance_limit, HELD_BY_MAX_FRACTION: self.max_frozen}
         reasons = []
         for layer, t in enumerate(t_values):
@@ -857,6 +871,19 @@ class DescentPolicy(FreezePolicy):
                 reasons.append(ONE_WINDOW_BELOW if learned_before else NOT_LEARNED)
         details["reasons"] = reasons
         return target, details
+
+    def jitter_prefix(self, max_share: float) -> int:
+        """The most leading layers whose jitter is at most ``max_share`` of every layer's together (all of them when
+        no layer has any: nothing to lock in)."""
+        total = sum(self.jitter)
+        if total <= 0.0:
+            return self.num_layers
+        held = 0.0
+        for layer, value in enumerate(self.jitter):
+            held += value
+            if held > max_share * total * (1.0 + _FLOAT_SLACK):
+                return layer
+        return self.num_layers
 
     def outcome(self) -> str:
         """Why nothing froze, in the test's terms: the bottom layer above the prior must stop descending first."""
@@ -876,7 +903,8 @@ class DescentPolicy(FreezePolicy):
         state = super().state_dict()
         state.update(decisions=self.decisions, descent_sum=self.descent_sum.tolist(),
                      descent_sq_sum=self.descent_sq_sum.tolist(), valid_steps=self.valid_steps.tolist(),
-                     windows_below=self.windows_below, learned=self.learned, previous_t=self.previous_t)
+                     windows_below=self.windows_below, learned=self.learned, previous_t=self.previous_t,
+                     jitter=self.jitter)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -888,6 +916,8 @@ class DescentPolicy(FreezePolicy):
         self.windows_below = [int(count) for count in state["windows_below"]]
         self.learned = bool(state["learned"])
         self.previous_t = list(state["previous_t"])
+        # absent from checkpoints of earlier versions, which had no jitter bound
+        self.jitter = [float(value) for value in state.get("jitter", [0.0] * self.num_layers)]
 
 
 def _change_ratio(previous: float, current: float) -> float:
@@ -935,6 +965,7 @@ def make_policy(
     learned_min_steps: int = FreezeConfig.learned_min_steps,
     descent_threshold: float = FreezeConfig.descent_threshold,
     early_max_fraction: float | None = FreezeConfig.early_max_fraction,
+    jitter_max_share: float | None = FreezeConfig.jitter_max_share,
     prior_layers: int = 0,
     spent: Sequence[float] | None = None,
 ) -> FreezePolicy:
@@ -957,7 +988,8 @@ def make_policy(
     check_freeze_values(alpha=alpha, percentile=percentile, max_fraction=max_fraction,
                         evidence_max_fraction=evidence_max_fraction, max_change=max_change, threshold=threshold,
                         max_advance=max_advance, learned_by=learned_by, learned_min_steps=learned_min_steps,
-                        descent_threshold=descent_threshold, early_max_fraction=early_max_fraction)
+                        descent_threshold=descent_threshold, early_max_fraction=early_max_fraction,
+                        jitter_max_share=jitter_max_share)
     if name == "schedule" and not schedule:
         raise ValueError("freeze.policy=schedule needs freeze.schedule: [[at, frozen_layers], ...]")
     if not 0 <= prior_layers < num_layers:
@@ -967,7 +999,7 @@ def make_policy(
     if name == "descent":
         return DescentPolicy(num_layers, threshold=descent_threshold, max_advance=max_advance,
                              evidence_max_fraction=evidence_max_fraction, early_max_fraction=early_max_fraction,
-                             **common)
+                             jitter_max_share=jitter_max_share, **common)
     if name == "coherence":
         return CoherencePolicy(num_layers, threshold=threshold, max_advance=max_advance, learned_by=learned_by,
                                learned_min_steps=learned_min_steps, evidence_max_fraction=evidence_max_fraction,
@@ -1016,5 +1048,6 @@ def policy_from_settings(settings: FreezeConfig, num_layers: int, *, seed: int, 
                        max_change=settings.max_change, threshold=settings.threshold,
                        max_advance=settings.max_advance, learned_by=settings.learned_by,
                        learned_min_steps=settings.learned_min_steps, descent_threshold=settings.descent_threshold,
-                       early_max_fraction=settings.early_max_fraction, seed=seed,
+                       early_max_fraction=settings.early_max_fraction,
+                       jitter_max_share=settings.jitter_max_share, seed=seed,
                        prior_layers=prior_layers if enabled else 0, spent=spent_shares(rates))
