@@ -139,9 +139,9 @@ CANDIDATES: dict[str, Member] = {
     "descent_budget": Member("all", (*PACKAGE_ALL, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
                                      "freeze.max_advance=null", "freeze.prior=none", "freeze.evidence_max_fraction=0.5",
                                      f"freeze.early_max_fraction={1 / 3}")),
-    "descent_share": Member("all", (*PACKAGE_ALL, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
-                                    "freeze.max_advance=null", "freeze.prior=none", "freeze.evidence_max_fraction=0.5",
-                                    "freeze.jitter_max_share=0.5")),
+    **{name: Member("all", (*PACKAGE_ALL, "freeze.policy=descent", "freeze.descent_threshold=-1.0",
+                            "freeze.max_advance=null", "freeze.prior=none", "freeze.evidence_max_fraction=0.5",
+                            "freeze.jitter_max_share=0.5")) for name in ("descent_share", "descent_profile")},
 }
 """Candidates for the default, registered in the README before their round ran (``--round choice``): each is judged
 on validation beside a ``ddp`` of the same launch, by the README's rule. ``previous_default`` is the default until
@@ -155,7 +155,9 @@ a steeper loss rise before a layer stops (t below -2 or -3 for two windows), rou
 2026-12-05): on split 54 the bottom two image layers read -3.5 where the third read -2.9 and those above -2.2 to
 -2.5. ``descent_budget`` (round ``budget``, LOG 2026-12-06) freezes up to a third of the layers when the test allows
 and the rest of the half only within the learning-rate budget; ``descent_share`` (round ``share``, the same day) stops
-where the frozen prefix would hold more than half of the model's jitter (``freeze.jitter_max_share``)."""
+where the frozen prefix would hold more than half of the model's jitter (``freeze.jitter_max_share``), measured in each
+layer's last window before it froze (the code of 4255573); ``descent_profile`` (round ``profile``) is the same setting
+as it is now, the jitter measured in the last window before the first freeze."""
 ALL_ARMS = {**ARMS, **CANDIDATES}
 PRIOR_SETTING = "freeze.prior="
 """Every arm but ``default`` and the plain baselines pins its prior: a change of the package's default prior must not

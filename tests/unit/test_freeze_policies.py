@@ -905,17 +905,19 @@ def test_descent_stops_where_the_frozen_prefix_would_hold_more_than_its_share_of
     assert depth([6.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 0
 
 
-def test_a_frozen_layer_keeps_the_jitter_it_froze_with() -> None:
-    """Layers 0-1 freeze with jitter 1 each of 6; later the active layers' jitter falls tenfold (the learning rate
-    decays), so the frozen pair holds 2 of 2.4 and nothing more may freeze, though the test finds every layer stopped."""
+def test_the_jitter_profile_is_the_last_one_before_the_first_freeze() -> None:
+    """Layers 0-1 freeze with jitter 1 each of 6 (share 0.4 of it: two layers). Afterwards the active layers' jitter
+    falls tenfold; measured then, the pair would hold 2 of 2.4 and nothing more freeze; were it to rise instead, more
+    would. Either way the depth stays what the profile before the first freeze allowed."""
     early = [-1.0] * NUM_LAYERS
-    late: list[float | None] = [None, None] + [-0.1] * (NUM_LAYERS - 2)  # frozen layers measure nothing
-    policy, decisions = descent_windows([LEARNING, early, early, late, late], spread=0.01, evidence_max_fraction=None,
-                                        jitter_max_share=0.4)
-    assert decisions[2] is not None and decisions[2].frozen == frozenset({0, 1})
-    assert decisions[3] is None and decisions[4] is None
-    assert policy.jitter[:2] == pytest.approx([1.0, 1.0]) and policy.jitter[2:] == pytest.approx([0.1] * 4)
-    assert policy.last_window is not None and policy.last_window["reasons"][2] == "held:jitter_max_share"
+    for later in (-0.1, -10.0):
+        after: list[float | None] = [None, None] + [later] * (NUM_LAYERS - 2)  # frozen layers measure nothing
+        policy, decisions = descent_windows([LEARNING, early, early, after, after], spread=0.01,
+                                            evidence_max_fraction=None, jitter_max_share=0.4)
+        assert decisions[2] is not None and decisions[2].frozen == frozenset({0, 1})
+        assert decisions[3] is None and decisions[4] is None
+        assert policy.jitter == pytest.approx([1.0] * NUM_LAYERS)
+        assert policy.last_window is not None and policy.last_window["reasons"][2] == "held:jitter_max_share"
     restored = build("descent", interval=4, max_advance=None, evidence_max_fraction=None, jitter_max_share=0.4)
     restored.load_state_dict(policy.state_dict())
     assert restored.jitter == policy.jitter

@@ -774,8 +774,9 @@ class DescentPolicy(FreezePolicy):
         self.learned = False  # some layer's T reached LEARNING_T in a window that ended
         self.previous_t: list[float | None] = [None] * num_layers
         self.jitter_max_share = jitter_max_share
-        # per layer, the loss its own updates added on new batches (-mean descent, at least 0) in the last window it
-        # trained through: a frozen layer keeps the value it froze with
+        # per layer, the loss its own updates added on new batches (-mean descent, at least 0) in the last window
+        # before the first freeze: once layers freeze, the others' jitter answers to the freeze, not to where the
+        # model's jitter sat
         self.jitter = [0.0] * num_layers
         self._reset_window()
 
@@ -818,9 +819,9 @@ class DescentPolicy(FreezePolicy):
             return None
         t_values = self.window_t()
         self.previous_t = t_values
-        for layer, (total, count) in enumerate(zip(self.descent_sum, self.valid_steps)):
-            if layer not in self.frozen and count > 0:
-                self.jitter[layer] = max(0.0, -float(total) / int(count))
+        if len(self.frozen) <= self.prior_layers:
+            self.jitter = [max(0.0, -float(total) / int(count)) if count > 0 else 0.0
+                           for total, count in zip(self.descent_sum, self.valid_steps)]
         self._reset_window()
         learned_before = self.learned
         self.learned = learned_before or any(t is not None and t >= LEARNING_T for t in t_values)
