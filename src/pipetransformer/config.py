@@ -172,7 +172,7 @@ class FreezeConfig:
     max_change: float | None = None  # gradient policy: a layer whose change ratio is at or above this never counts as converged
     evidence_max_fraction: float | None = 0.5  # descent, coherence and gradient: at most this share of the layers frozen, the prior's included (the top layers keep training; null: the learning-rate budget alone)
     early_max_fraction: float | None = None  # descent policy: the test may freeze up to this share of the layers as soon as it finds them stopped; deeper, up to evidence_max_fraction, only within the learning-rate budget (a layer frozen with a share r of the learning rate to come forgoes that share of its updates; null: no budget below evidence_max_fraction)
-    jitter_max_share: float | None = None  # descent policy: the frozen prefix may hold at most this share of the model's jitter (per layer the loss its own updates add on new batches, -mean descent, in the last window before the first freeze): where the jitter sits, annealing still gains, so freezing stops short of it (null: no such bound)
+    jitter_max_share: float | None = 0.5  # descent policy: the frozen prefix may hold at most this share of the model's jitter (per layer the loss its own updates add on new batches, -mean descent, in the last window before the first freeze): where the jitter sits, annealing still gains, so freezing stops short of it (null: no such bound)
     max_fraction: float | None = None  # a cap on the fraction of the layers any deciding policy freezes (null: none; coherence and gradient are bounded by the learning rate the run has spent)
     schedule: list[list[int]] | None = None  # policy=schedule: [[at, frozen_layers], ...] (at in steps or epochs)
 

@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "percentile": 50.0,
     "max_fraction": 1.0,
     "evidence_max_fraction": None,
+    "jitter_max_share": None,
     "schedule": None,
     "max_change": None,
     "threshold": 0.1,
@@ -779,7 +780,7 @@ def test_the_python_api_and_the_cli_build_the_same_default_freezer() -> None:
                            interval_unit="steps", seed=0, spent=[(step + 1) / total for step in range(total)])
     assert type(from_api) is type(from_cli)
     for attribute in ("interval", "interval_unit", "max_frozen", "evidence_cap", "prior_layers", "threshold",
-                      "max_advance"):
+                      "max_advance", "jitter_max_share", "early_cap"):
         assert getattr(from_api, attribute) == getattr(from_cli, attribute), attribute
     assert from_api.spent == pytest.approx(from_cli.spent)
 

@@ -162,16 +162,20 @@ def descent_trace(kind: str) -> list[LoggedStep]:
 
 
 def test_the_descent_test_holds_back_on_text_and_freezes_on_images() -> None:
-    """The package's default on the recorded traces, exact (a replay of a run that froze nothing): on the text trace
-    every layer's updates keep lowering new batches' loss in some window of every pair (nothing freezes); on the
-    image trace they raise it from the second window on, and the bottom half freezes within the first third of the
-    run."""
+    """The package's default on the recorded traces, exact up to the first freeze (a replay of a run that froze
+    nothing): on the text trace every layer's updates keep lowering new batches' loss in some window of every pair
+    (nothing freezes); on the image trace they raise it from the second window on, layer 0 freezes within the first
+    sixth of the run and layer 1 joins it; the third would bring the frozen prefix above half the model's jitter
+    (1.51, 0.66, 1.17, ... x 1e-3 of loss in the window before the first freeze), so it stops at two, where the
+    half-depth cap alone froze three."""
     text = descent_trace("text")
     assert replay(replayed(FreezeConfig(enabled=True), text), text) == []
     image = descent_trace("image")
     decisions = replay(replayed(FreezeConfig(enabled=True), image), image)
-    assert decisions and len(decisions[-1].frozen) == NUM_LAYERS // 2
-    assert decisions[0].step <= len(image) // 3
+    assert decisions and len(decisions[-1].frozen) == 2
+    assert decisions[0].step <= len(image) // 6
+    uncapped = replay(replayed(FreezeConfig(enabled=True, jitter_max_share=None), image), image)
+    assert len(uncapped[-1].frozen) == NUM_LAYERS // 2
     assert all(t < FreezeConfig.descent_threshold for t in decisions[0].details["descent_t"][:len(decisions[0].frozen)])
 
 
