@@ -179,6 +179,27 @@ def test_the_descent_test_holds_back_on_text_and_freezes_on_images() -> None:
     assert all(t < FreezeConfig.descent_threshold for t in decisions[0].details["descent_t"][:len(decisions[0].frozen)])
 
 
+DEEP_TRACE = "vit12_24000x3_split54_single.jsonl"
+"""A plain run (one worker, nothing frozen, every step logged) of the 12-layer ViT, pretrained as the 6-layer one, on
+the same 24,000 images x 3 (split 54, development rows): freezing half of its layers was free in the frontier, where
+on the 6-layer ViT a third layer cost 0.4-0.5 points."""
+
+
+def test_the_jitter_bound_freezes_as_deep_as_the_jitter_is_low() -> None:
+    """Where the model's jitter (each layer's loss rise from its own updates) sits sets the depth: on the 6-layer
+    trace it is spread over every layer and the bound stops at two, on the 12-layer one it sits on the top layers and
+    the bottom half freezes whole (the half-depth cap binds first)."""
+    deep = read_logged_steps(DATA / DEEP_TRACE)
+    layers = len(deep[0].layer_grad_norms)
+    rates = [lr_at(step, len(deep), TrainConfig()) for step in range(len(deep))]
+    policy = policy_from_settings(FreezeConfig(enabled=True), layers, seed=0, total_steps=len(deep),
+                                  learning_rates=rates)
+    decisions = replay(policy, deep)
+    assert layers == 12 and decisions and len(decisions[0].frozen) == layers // 2
+    shallow = descent_trace("image")
+    assert len(replay(replayed(FreezeConfig(enabled=True), shallow), shallow)[-1].frozen) == 2
+
+
 def test_the_coherence_test_cannot_tell_the_two_traces_apart() -> None:
     """The baseline the descent test replaced, on the same traces: it freezes on both (its values are alike on text
     and images), the text trace included, where every frozen layer cost accuracy."""
