@@ -751,10 +751,13 @@ class DescentPolicy(FreezePolicy):
     a learning rate near zero, say nothing). The layers below the first active layer that has not stopped freeze (a
     layer still learning keeps itself and everything above it training), at most ``max_advance`` more per window,
     within ``evidence_max_fraction`` of the layers (the top layers keep training) and ``max_fraction`` when set.
-    With ``early_max_fraction``, only that share of the layers freezes whenever the test allows; deeper layers wait
-    for the learning-rate budget (``budget_layers``): the test says whether a layer still learns, not what freezing it
-    costs, and on the image tasks that cost grew with depth and shrank the later the freeze came (the frontier's
-    LOG). Every window records each layer's ``T`` and, per layer, why it froze or did not (``reasons``).
+    The test says whether a layer still learns, not what freezing it costs, so the depth has its own bounds. With
+    ``jitter_max_share``, the frozen prefix holds at most that share of the model's jitter: per layer ``-mean(d)``
+    (at least 0), the loss its random walk adds on new batches, which freezing locks in and annealing would remove,
+    taken from the window before the first freeze (afterwards the active layers' jitter answers to the freeze). With
+    ``early_max_fraction``, only that share of the layers freezes whenever the test allows, deeper layers within the
+    learning-rate budget (``budget_layers``). Every window records each layer's ``T`` and jitter and, per layer, why it
+    froze or did not (``reasons``).
     """
 
     name = "descent"
