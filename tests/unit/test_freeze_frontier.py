@@ -172,8 +172,9 @@ def test_a_fresh_split_is_judged_beside_earlier_splits_fixed_arms_pooled(tmp_pat
 
 @pytest.mark.parametrize("family", ["vit_fashion", "text_minilm"])
 def test_the_default_arm_runs_the_packages_freezer_whatever_the_first_command_caps(family: str) -> None:
-    """configs/vit_fashion_all.yaml caps the README's first command at 2 of 6 layers; an arm judged as the package's
-    default must not inherit that cap (without ``PACKAGE_FREEZER`` the ViT's default arm froze at most 2 layers)."""
+    """configs/vit_fashion_all.yaml keeps the README's first command as judged (at most 2 of 6 layers, no jitter
+    bound); an arm judged as the package's default must not inherit that (without ``PACKAGE_FREEZER`` the ViT's default
+    arm froze at most 2 layers)."""
     arm = frontier.ARMS["default"]
     config = load_config(CONFIG_DIR / f"{family}_{arm.family_member}.yaml", list(arm.overrides))
     assert config.freeze == replace(FreezeConfig(), enabled=True)
