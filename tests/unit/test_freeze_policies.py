@@ -904,6 +904,10 @@ def test_descent_stops_where_the_frozen_prefix_would_hold_more_than_its_share_of
     assert depth([1.0] * 6, share=0.4) == 2
     assert depth([0.2, 0.2, 0.2, 2.0, 2.0, 2.0]) == 4  # the fifth layer would bring the prefix to 4.6 of 6.6
     assert depth([6.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 0
+    stopped = [-6.0, -1.0, -1.0, -1.0, -1.0, -1.0]
+    policy, _ = descent_windows([LEARNING, stopped, stopped], spread=0.01, jitter_max_share=0.5)
+    assert policy.outcome().endswith("layer 0 stopped learning but held more than 0.5 of the model's jitter "
+                                     "(freeze.jitter_max_share)")
 
 
 def test_the_jitter_profile_is_the_last_one_before_the_first_freeze() -> None:

@@ -781,6 +781,7 @@ class DescentPolicy(FreezePolicy):
         # before the first freeze: once layers freeze, the others' jitter answers to the freeze, not to where the
         # model's jitter sat
         self.jitter = [0.0] * num_layers
+        self.jitter_held = False  # the jitter bound held back layers the test found stopped
         self._reset_window()
 
     def windows_before_a_freeze(self, window_steps: int) -> int:
@@ -857,6 +858,7 @@ class DescentPolicy(FreezePolicy):
         if self.max_advance is not None:
             advance_limit = details["advance_limit"] = frozen_prefix_layers(self.frozen) + self.max_advance
         target = self._bounded_prefix(min(candidate, advance_limit), bound)
+        self.jitter_held = self.jitter_held or min(candidate, advance_limit, self.evidence_cap) > jitter_limit
         holds = {HELD_BY_EVIDENCE_CAP: self.evidence_cap, HELD_BY_JITTER: jitter_limit, HELD_BY_BUDGET: budget_limit,
                  HELD_BY_ADVANCE: advance_limit, HELD_BY_MAX_FRACTION: self.max_frozen}
         reasons = []
@@ -900,6 +902,9 @@ class DescentPolicy(FreezePolicy):
         if not self.learned:
             return (f"{super().outcome()}: no layer's descent t ever reached {LEARNING_T} (the model did not start "
                     "learning, or its updates are mostly noise)")
+        if self.jitter_held:
+            return (f"{super().outcome()}: layer {self.prior_layers} stopped learning but held more than "
+                    f"{self.jitter_max_share} of the model's jitter (freeze.jitter_max_share)")
         return (f"{super().outcome()}: layer {self.prior_layers}'s updates kept lowering the loss on new batches "
                 f"(its descent t never stayed below {self.threshold} for two windows in a row)")
 
@@ -908,7 +913,7 @@ class DescentPolicy(FreezePolicy):
         state.update(decisions=self.decisions, descent_sum=self.descent_sum.tolist(),
                      descent_sq_sum=self.descent_sq_sum.tolist(), valid_steps=self.valid_steps.tolist(),
                      windows_below=self.windows_below, learned=self.learned, previous_t=self.previous_t,
-                     jitter=self.jitter)
+                     jitter=self.jitter, jitter_held=self.jitter_held)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -922,6 +927,7 @@ class DescentPolicy(FreezePolicy):
         self.previous_t = list(state["previous_t"])
         # absent from checkpoints of earlier versions, which had no jitter bound
         self.jitter = [float(value) for value in state.get("jitter", [0.0] * self.num_layers)]
+        self.jitter_held = bool(state.get("jitter_held", False))
 
 
 def _change_ratio(previous: float, current: float) -> float:
