@@ -90,7 +90,8 @@ ACCURACY_BOUND_POINTS = 0.5
 """The default's paired test difference from the faster plain baseline must be at least -0.5 points."""
 SPEED_SHARE_OF_BEST_FIXED = 0.97
 """... and it must run at least 0.97x as fast as the fastest fixed freeze that meets the same bound."""
-TARGETS = {"rt_full": 2.0, "fmnist_full": 1.5}
+TARGETS = {"rt_full": 2.0, "fmnist_full": 1.5, "vit12": 1.5, "fashion_mnist": 1.4}
+"""Speed-up targets over the faster plain baseline (issue 71 raised vit12's and fashion_mnist's from 1.3x)."""
 SHORT_TARGET = 1.3
 Z_95 = 1.96
 PLAIN = ("ddp", "single")
