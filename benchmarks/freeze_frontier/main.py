@@ -371,6 +371,10 @@ def _figure(task: str, table: dict[str, dict[str, Any]], split: str, out: Path) 
                       else "tab:green" if name in CANDIDATES else "tab:gray")
         axes.annotate(name, (row["speedup"], row["difference"] * PERCENT), textcoords="offset points", xytext=(4, 4))
     axes.axhline(-ACCURACY_BOUND_POINTS, linestyle="--", color="tab:orange", linewidth=1)
+    target = TARGETS.get(task, SHORT_TARGET)  # a missed target shows as the gap to this line
+    axes.axvline(target, linestyle=":", color="tab:orange", linewidth=1)
+    axes.annotate(f"target {target}x", (target, 1.0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                  xytext=(3, -12), color="tab:orange")
     axes.set_xlabel("speed-up over the faster plain baseline (median; bar: per-seed range)")
     axes.set_ylabel(f"{split} accuracy vs faster plain, points (95%)")
     axes.set_title(f"AutoFreeze frontier: {task}")
