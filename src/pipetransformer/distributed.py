@@ -24,7 +24,7 @@ _created_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 __all__ = ["DistEnv", "check_device_settings", "init_distributed", "shutdown_distributed", "broadcast_string",
            "broadcast_tensors", "broadcast_from_local_leader", "gather_floats", "new_groups", "raise_together",
-           "resolve_device", "threads_of_one_worker", "wants_cuda", "worker_threads"]
+           "resolve_device", "threads_of_one_worker", "to_device", "wants_cuda", "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,17 @@ def resolve_device(config: DistConfig, local_rank: int = 0) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a batch) on ``device`` without waiting: a CUDA copy from pageable memory makes the host wait for
+    the stream, one from pinned memory does not (torch keeps the pinned block until the copy is done). On the CPU, the
+    tensor itself."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def worker_threads(config: DistConfig, local_world_size: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ from torch import nn
 from pipetransformer.config import PipeConfig
 from pipetransformer.freeze.apply import block_grad_sq_norms
 from pipetransformer.pipe.planner import LayoutPlan, plan_layout
-from pipetransformer.train.control import ControlVector, TrainingDivergedError, gather_control
+from pipetransformer.train.control import (DEVICE_FIELDS, HOST_FIELDS, ControlLedger, ControlVector,
+                                           TrainingDivergedError, gather_control)
 from pipetransformer.train.elastic import UNIFORM_COST, Placement
 from tiny import LAYERS, tiny_dataset, tiny_model
 
@@ -34,12 +34,14 @@ def test_control_vector_sums_fields_and_reads_dot_products_only_where_valid() ->
 
 def test_every_field_comes_back_from_the_packed_tensor_where_it_was() -> None:
     control = ControlVector.zeros(LAYERS)
-    for offset, f in enumerate(fields(control)):
-        tensor = getattr(control, f.name)
+    names = [*DEVICE_FIELDS, *HOST_FIELDS]
+    for offset, name in enumerate(names):
+        tensor = getattr(control, name)
         tensor[:] = torch.arange(tensor.numel(), dtype=torch.float64) + 10 * offset
+    assert control.packed.numel() == ControlVector.width(LAYERS) == sum(getattr(control, n).numel() for n in names)
     reduced = control.all_reduce()
-    for f in fields(control):
-        assert torch.equal(getattr(reduced, f.name), getattr(control, f.name)), f.name
+    for name in names:
+        assert torch.equal(getattr(reduced, name), getattr(control, name)), name
     assert reduced.total_grad_norm() == math.sqrt(float(control.total_grad_sq))
     assert reduced.stop_requested
 
@@ -70,6 +72,21 @@ def test_a_non_finite_step_is_refused_naming_the_first_bad_layer() -> None:
     control = ControlVector.zeros(LAYERS)
     control.layer_grad_sq[1] = math.nan
     control.total_grad_sq[0] = math.nan
-    with pytest.raises(TrainingDivergedError, match=r"at step 7, first in layer_1; no update was applied"):
+    with pytest.raises(TrainingDivergedError, match=r"at step 7, first in layer_1; nothing after step 6 was saved"):
         control.check_finite(7, Path("checkpoints"))
+    with pytest.raises(TrainingDivergedError, match=r"at step 7, first in layer_1 \(read at step 10\)"):
+        control.check_finite(7, Path("checkpoints"), read_at=10)
     ControlVector.zeros(LAYERS).check_finite(7, Path("checkpoints"))  # finite: nothing happens
+
+
+def test_the_ledger_reads_every_pending_step_in_order_in_one_copy_and_empties() -> None:
+    ledger = ControlLedger()
+    assert ledger.read() == []
+    for step in (4, 5, 6):
+        control = ControlVector.zeros(LAYERS)
+        control.loss[0] = step / 10
+        ledger.append(step, control)
+    assert len(ledger) == 3
+    read = ledger.read()
+    assert [step for step, _ in read] == [4, 5, 6] and [float(c.loss) for _, c in read] == [0.4, 0.5, 0.6]
+    assert len(ledger) == 0 and ledger.read() == []

@@ -5,6 +5,7 @@ Torch only, no torch.distributed: each rank applies the same decision to the blo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -13,8 +14,12 @@ from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence
 
-__all__ = ["Blocks", "PreviousGradients", "PreviousWeights", "block_grad_sq_norms", "drop_from_optimizer",
-           "freeze_blocks", "local_part", "pin_eval"]
+__all__ = ["Blocks", "PreviousGradients", "PreviousWeights", "block_grad_sq_norms", "device_constant", "device_index",
+           "drop_from_optimizer", "freeze_blocks", "local_part", "pin_eval"]
+
+DEVICE_CONSTANTS = 64
+"""Distinct host-made tensors kept on the device (:func:`device_constant`): a run has a few per layout, and a few
+layouts."""
 
 
 class Blocks(Protocol):
@@ -102,25 +107,50 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def device_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an index tensor on ``device``, made once per distinct tuple: a copy from the host waits for a GPU's
+    stream, and the blocks a rank measures change only at a layout transition, so a step reuses the tensor."""
+    return _device_constant(values, torch.long, device)
+
+
+def device_constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a float64 tensor on ``device``, made once per distinct tuple (as :func:`device_index`): what the
+    host knows of a step (which statistics are valid, stop requests) reaches the device without a copy a step."""
+    return _device_constant(values, torch.float64, device)
+
+
+@functools.lru_cache(maxsize=DEVICE_CONSTANTS)
+def _device_constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _device_of(model: Blocks) -> torch.device:
+    """Where ``model``'s statistics live when none of its gradients says: its first parameter's device."""
+    parameter = next((p for block in model.blocks for p in block.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 def block_grad_sq_norms(model: Blocks, blocks: range | None = None) -> torch.Tensor:
-    """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64;
-    0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
+    """Per block, the sum of squared gradient entries of its trainable parameters (``[len(model)]`` float64 on the
+    model's device; 0 for blocks outside ``blocks``, frozen ones, or ones without gradients).
 
     One fused norm over every gradient (``torch._foreach_norm``, in each tensor's own dtype as ``clip_grad_norm_``
-    computes it), summed per block in float64, and one copy to the host: a per-tensor loop cost a few small ops per
-    parameter, which on a GPU are kernel launches. A sharded gradient (FSDP2's DTensor) counts its local shard only.
+    computes it), summed per block in float64 by one ``index_add_``, and no copy to the host: a per-tensor loop cost a
+    few small ops per parameter, which on a GPU are kernel launches, and a read on the host waits for the GPU. A sharded
+    gradient (FSDP2's DTensor) counts its local shard only.
     """
-    norms = torch.zeros(len(model), dtype=torch.float64)
     grads, owners = [], []
     for index in blocks if blocks is not None else range(len(model)):
         for parameter in model.blocks[index].parameters():
             if parameter.requires_grad and parameter.grad is not None:
                 grads.append(local_part(parameter.grad))
                 owners.append(index)
+    device = grads[0].device if grads else _device_of(model)
+    norms = torch.zeros(len(model), dtype=torch.float64, device=device)
     if grads:
         with torch.no_grad():
-            squares = torch.stack(torch._foreach_norm(grads)).double().square().cpu()
-        norms.index_add_(0, torch.tensor(owners), squares)
+            squares = torch.stack(torch._foreach_norm(grads)).double().square()
+        norms.index_add_(0, device_index(tuple(owners), device), squares)
     return norms
 
 
@@ -138,12 +168,12 @@ class PreviousGradients:
         self._previous: dict[nn.Parameter, torch.Tensor] = {}
 
     def block_dots(self, model: Blocks, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dots, valid)``, both ``[len(model)]`` float64: per block in ``blocks``, the sum over its trainable
-        parameters of ``g_t . g_{t-1}`` and 1 where every one of them had a previous gradient (else 0); then
-        remember this step's gradients."""
-        dots = torch.zeros(len(model), dtype=torch.float64)
-        valid = torch.zeros(len(model), dtype=torch.float64)
+        """``(dots, valid)``: per block of ``model``, ``dots`` (``[len(model)]`` float64 on the model's device) holds,
+        for the blocks in ``blocks``, the sum over its trainable parameters of ``g_t . g_{t-1}``, and ``valid``
+        (``[len(model)]`` float64 on the host: it depends only on which gradients were kept) is 1 where every one of
+        them had a previous gradient; then remember this step's gradients."""
         current: dict[nn.Parameter, torch.Tensor] = {}
+        measured: list[tuple[int, torch.Tensor]] = []
         with torch.no_grad():
             for index in blocks:
                 params = [p for p in model.blocks[index].parameters() if p.requires_grad and p.grad is not None]
@@ -151,12 +181,18 @@ class PreviousGradients:
                     continue
                 grads = {p: local_part(p.grad) for p in params}
                 if all(p in self._previous for p in params):
-                    dots[index] = sum(torch.dot(grads[p].reshape(-1), self._previous[p].reshape(-1)).double()
-                                      for p in params)
-                    valid[index] = 1.0
+                    measured.append((index, sum(torch.dot(grads[p].reshape(-1), self._previous[p].reshape(-1))
+                                                .double() for p in params)))
                 for p in params:
                     buffer = self._previous.get(p)
                     current[p] = grads[p].detach().clone() if buffer is None else buffer.copy_(grads[p])
+            device = measured[0][1].device if measured else _device_of(model)
+            dots = torch.zeros(len(model), dtype=torch.float64, device=device)
+            if measured:
+                rows = device_index(tuple(index for index, _ in measured), device)
+                dots.index_copy_(0, rows, torch.stack([value for _, value in measured]))
+        where = {index for index, _ in measured}
+        valid = torch.tensor([1.0 if index in where else 0.0 for index in range(len(model))], dtype=torch.float64)
         self._previous = current  # parameters without a gradient this step (frozen, moved away) are forgotten
         return dots, valid
 
@@ -183,8 +219,8 @@ class PreviousWeights:
     the first-order change of this batch's loss that the block's previous update made (positive: the update lowered
     the loss on a batch it was not computed from), estimated from the sampled entries.
 
-    Per block a few fused ops (concatenate the samples, subtract, one dot product) and one copy of every block's
-    result to the host, however many parameters it has. A block whose parameters are not the ones it had at the
+    Per block a few fused ops (concatenate the samples, subtract, one dot product), however many parameters it has,
+    and no copy to the host. A block whose parameters are not the ones it had at the
     previous step (the first step, a step some got no gradient, a block that just arrived from another rank) has no
     valid descent for that step. A sharded parameter (FSDP2) samples its local shard only: the ranks' descents sum to
     an estimate of the whole one.
@@ -205,11 +241,10 @@ class PreviousWeights:
         return torch.cat([torch.full((n,), count / n, device=device) for count, n in zip(counts, taken)])
 
     def block_descents(self, model: Blocks, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(descents, valid)``, both ``[len(model)]`` float64 on the host: per block in ``blocks``, the estimate of
-        the sum over its trainable parameters of ``-g_t . (w_t - w_{t-1})`` and 1 where it has one (else 0); then
-        remember this step's samples. Call it after the backward and before the optimizer steps."""
-        descents = torch.zeros(len(model), dtype=torch.float64)
-        valid = torch.zeros(len(model), dtype=torch.float64)
+        """``(descents, valid)``: per block of ``model``, ``descents`` (``[len(model)]`` float64 on the model's device)
+        holds, for the blocks in ``blocks``, the estimate of the sum over its trainable parameters of
+        ``-g_t . (w_t - w_{t-1})``, and ``valid`` (``[len(model)]`` float64 on the host) is 1 where there is one;
+        then remember this step's samples. Call it after the backward and before the optimizer steps."""
         current: dict[int, tuple[tuple[nn.Parameter, ...], torch.Tensor, torch.Tensor]] = {}
         measured: list[tuple[int, torch.Tensor]] = []
         with torch.no_grad():
@@ -227,9 +262,13 @@ class PreviousWeights:
                 else:
                     scale = self._scale(params, weights.device)
                 current[index] = (params, weights, scale)
+            where = {index for index, _ in measured}
+            valid = torch.tensor([1.0 if index in where else 0.0 for index in range(len(model))],
+                                 dtype=torch.float64)  # on the host: one tensor, not an op a block
+            device = measured[0][1].device if measured else _device_of(model)
+            descents = torch.zeros(len(model), dtype=torch.float64, device=device)
             if measured:
-                where = torch.tensor([index for index, _ in measured])
-                descents[where] = torch.stack([value for _, value in measured]).double().cpu()
-                valid[where] = 1.0
+                rows = device_index(tuple(index for index, _ in measured), device)
+                descents.index_copy_(0, rows, torch.stack([value for _, value in measured]).double())
         self._previous = current  # blocks without a gradient this step (frozen, moved away) are forgotten
         return descents, valid

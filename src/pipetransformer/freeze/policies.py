@@ -233,6 +233,11 @@ class FreezePolicy(ABC):
             if values is not None and len(values) != self.num_layers:
                 raise ValueError(f"observe() needs one {name} per layer ({self.num_layers}), got {len(values)}")
 
+    def next_step_ends_a_window(self) -> bool:
+        """Whether ``decide`` for the next new step ends a decision window (one in epochs ends with an epoch): before
+        it, every step's statistics must have been observed."""
+        return self.interval_unit == "steps" and (self.steps_done + 1) % self.interval == 0
+
     def decide(self, step: int, epoch: int, epoch_end: bool) -> FreezeDecision | None:
         """Call after every optimizer step (``epoch_end`` on an epoch's last one); ``None`` means no change.
 

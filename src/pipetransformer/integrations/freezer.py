@@ -232,22 +232,23 @@ class AutoFreezer:
         if not _optimizer_steps_now(self.optimizer):
             return None
         layers = range(len(self.stack))
-        control = ControlVector.zeros(len(self.stack))
+        control = ControlVector.zeros(len(self.stack), self._device)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if rank0 or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
-            control.layer_grad_sq[:] = block_grad_sq_norms(self.stack, layers)
+            control.layer_grad_sq.copy_(block_grad_sq_norms(self.stack, layers))
             # every rank's shards had a previous step at the same steps: one rank says which are valid
             if self.previous_grads is not None:
                 dots, valid = self.previous_grads.block_dots(self.stack, layers)
-                control.layer_grad_dots[:] = dots
+                control.layer_grad_dots.copy_(dots)
                 if rank0:
-                    control.layer_dot_valid[:] = valid
+                    control.layer_dot_valid.copy_(valid)
             if self.previous_weights is not None:
                 descents, valid = self.previous_weights.block_descents(self._units, layers)
-                control.layer_descents[:] = descents
+                control.layer_descents.copy_(descents)
                 if rank0:
-                    control.layer_descent_valid[:] = valid
-        control = control.all_reduce(device=self._device)
+                    control.layer_descent_valid.copy_(valid)
+        # the policy reads every step on the host here (one copy; the Trainer defers its reads to a ledger)
+        control = control.all_reduce(device=self._device).cpu()
         self.policy.observe(control.layer_grad_norms(),
                             control.layer_dots() if self.previous_grads is not None else None,
                             control.descents() if self.previous_weights is not None else None)

@@ -17,7 +17,7 @@ from pipetransformer.cache.store import ActivationStore, spec_from_activation
 from pipetransformer.config import CacheConfig
 from pipetransformer.data.batch import Batch, IndexedDataset
 from pipetransformer.data.text import TextDataset
-from pipetransformer.distributed import DistEnv
+from pipetransformer.distributed import DistEnv, to_device
 from pipetransformer.models.blocks import Activation, BlockSequence
 from pipetransformer.pipe.planner import LayoutPlan
 from pipetransformer.train.build import example_inputs
@@ -63,7 +63,7 @@ class AutoCache:
 
     def prefix(self, batch: Batch, plan: LayoutPlan) -> Activation:
         """A training batch's activation after the plan's frozen blocks: from the store, or a no-grad forward."""
-        inputs = tuple(t.to(self.env.device) for t in batch.inputs)
+        inputs = tuple(to_device(t, self.env.device) for t in batch.inputs)
         if plan.cached_blocks and self.training is not None:
             return self.training.activation_at_boundary(self.model, inputs, batch.indices, plan.cached_blocks)
         if plan.frozen_blocks:

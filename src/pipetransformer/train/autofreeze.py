@@ -110,6 +110,11 @@ class AutoFreeze:
         self.policy.observe(norms, dots, descents)
         return norms, dots, descents
 
+    def needs_statistics(self) -> bool:
+        """Whether the next step's ``update`` may decide: the statistics of every step so far must be observed by
+        then (the trainer reads them from the device at such steps). A schedule reads none."""
+        return self.policy.name not in UNWINDOWED and self.policy.next_step_ends_a_window()
+
     def update(self, step: int, epoch: int, epoch_end: bool, optimizer: HeldOptimizer) -> dict[str, Any] | None:
         """Decide after an optimizer step (``epoch_end`` once more after an epoch's last); a new frozen set is
         applied (requires_grad off, eval mode, out of the optimizer) and its record returned, else None."""

@@ -1,4 +1,5 @@
-"""The per-step control vector: what every rank must agree on after a step, in one all-reduce.
+"""The per-step control vector: what every rank must agree on after a step, in one all-reduce on the device, and the
+ledger that holds it there until the host needs it.
 
 Per-layer gradient statistics (for the freeze policy), the total gradient norm (for clipping), stop requests
 (SIGTERM or SIGINT on any rank) and the loss travel together as one float64 tensor summed over the world, so every rank,
@@ -7,6 +8,11 @@ kind of rank (gradients by replica 0 of each stage, the loss by the last stages)
 Gradients count from replica 0 only because after the gradient sync every replica holds the same ones:
 summing them too would scale the statistics by the width. Norms travel squared, so stages holding
 different layers simply add up.
+
+The vector is made, summed and used (the clip) on the training device. Reading it on the host waits for a GPU, so the
+trainer appends each step's vector to a :class:`ControlLedger` and reads the ledger in one copy at the steps whose
+decisions need it (a logged step, a freeze decision, a checkpoint, an evaluation, an epoch's end): the numbers of every
+step reach the policy and the checks in order, only later.
 """
 
 from __future__ import annotations
@@ -14,75 +20,101 @@ from __future__ import annotations
 import math
 import signal
 import threading
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, block_grad_sq_norms
+from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, block_grad_sq_norms, device_constant
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.elastic import Placement
 
-__all__ = ["STOP_SIGNALS", "ControlVector", "StopSignals", "TrainingDivergedError", "gather_control"]
+__all__ = ["STOP_SIGNALS", "ControlLedger", "ControlVector", "StopSignals", "TrainingDivergedError", "gather_control"]
+
+DEVICE_FIELDS = {"layer_grad_sq": True, "layer_grad_dots": True, "layer_descents": True, "total_grad_sq": False,
+                 "loss": False}
+"""The fields computed on the device, in the packed order; True: one value per transformer layer, else one."""
+HOST_FIELDS = {"layer_dot_valid": True, "layer_descent_valid": True, "stop_requests": False,
+               "interrupt_requests": False}
+"""The fields the host knows (which statistics are valid, stop requests), packed after the device's: they reach the
+device as one cached constant (``freeze.apply.device_constant``), not a copy a step."""
 
 
 class TrainingDivergedError(RuntimeError):
     """Loss or gradients became NaN/inf; the message names the step and layer."""
 
 
-@dataclass
 class ControlVector:
-    layer_grad_sq: torch.Tensor  # [L] squared gradient norm of each transformer layer
-    layer_grad_dots: torch.Tensor  # [L] g_t . g_{t-1} of each layer (0 where not valid)
-    layer_dot_valid: torch.Tensor  # [L] 1 where the layer's dot product is valid
-    layer_descents: torch.Tensor  # [L] -g_t . (w_t - w_{t-1}) of each layer, layer 0's with the embeddings' (0 where not valid)
-    layer_descent_valid: torch.Tensor  # [L] 1 where the layer's descent is valid
-    total_grad_sq: torch.Tensor  # [1] squared norm of every trainable gradient (embeddings and head included)
-    stop_requests: torch.Tensor  # [1] ranks that received SIGTERM or SIGINT
-    interrupt_requests: torch.Tensor  # [1] ranks whose stop request was a SIGINT (Ctrl-C): the run exits 130
-    loss: torch.Tensor  # [1] the step's loss summed over the last stages (already a mean over the global batch)
+    """One step's control fields, each a view of one packed float64 tensor (what the all-reduce sums).
+
+    - ``layer_grad_sq`` [L]: squared gradient norm of each transformer layer
+    - ``layer_grad_dots`` [L]: g_t . g_{t-1} of each layer (0 where not valid)
+    - ``layer_descents`` [L]: -g_t . (w_t - w_{t-1}) of each layer, layer 0's with the embeddings' (0 where not valid)
+    - ``total_grad_sq`` [1]: squared norm of every trainable gradient (embeddings and head included)
+    - ``loss`` [1]: the step's loss summed over the last stages (already a mean over the global batch)
+    - ``layer_dot_valid`` [L], ``layer_descent_valid`` [L]: 1 where the layer's dot product / descent is valid
+    - ``stop_requests`` [1]: ranks that received SIGTERM or SIGINT
+    - ``interrupt_requests`` [1]: ranks whose stop request was a SIGINT (Ctrl-C): the run exits 130
+    """
+
+    def __init__(self, packed: torch.Tensor, num_layers: int) -> None:
+        self.packed = packed
+        self.num_layers = num_layers
+        names = [*DEVICE_FIELDS, *HOST_FIELDS]
+        sizes = [num_layers if per_layer else 1 for per_layer in (*DEVICE_FIELDS.values(), *HOST_FIELDS.values())]
+        for name, view in zip(names, torch.split(packed, sizes)):
+            setattr(self, name, view)
+        self._host_start = sum(sizes[:len(DEVICE_FIELDS)])
+
+    layer_grad_sq: torch.Tensor
+    layer_grad_dots: torch.Tensor
+    layer_descents: torch.Tensor
+    total_grad_sq: torch.Tensor
+    loss: torch.Tensor
+    layer_dot_valid: torch.Tensor
+    layer_descent_valid: torch.Tensor
+    stop_requests: torch.Tensor
+    interrupt_requests: torch.Tensor
+
+    @staticmethod
+    def width(num_layers: int) -> int:
+        return sum(num_layers if per_layer else 1 for per_layer in (*DEVICE_FIELDS.values(), *HOST_FIELDS.values()))
 
     @classmethod
-    def zeros(cls, num_layers: int) -> ControlVector:
-        shapes = {name: num_layers for name in ("layer_grad_sq", "layer_grad_dots", "layer_dot_valid", "layer_descents",
-                                                "layer_descent_valid")}
-        return cls(**{f.name: torch.zeros(shapes.get(f.name, 1), dtype=torch.float64) for f in fields(cls)})
+    def zeros(cls, num_layers: int, device: torch.device | None = None) -> ControlVector:
+        return cls(torch.zeros(cls.width(num_layers), dtype=torch.float64, device=device), num_layers)
+
+    def set_host_fields(self, dot_valid: torch.Tensor, descent_valid: torch.Tensor, *, stop: bool,
+                        interrupt: bool) -> None:
+        """The host's fields (``[L]`` CPU tensors, and the flags) in one copy of a cached device constant."""
+        values = (*dot_valid.tolist(), *descent_valid.tolist(), float(stop or interrupt), float(interrupt))
+        self.packed[self._host_start:].copy_(device_constant(values, self.packed.device))
 
     def all_reduce(self, device: torch.device | None = None) -> ControlVector:
-        """Sum every field over the default group (one collective, on ``device`` when given: a user's NCCL-only
-        group cannot reduce CPU tensors; the trainer's group has gloo for them); returns the summed vector, on CPU."""
-        parts = [getattr(self, f.name) for f in fields(self)]
-        packed = torch.cat(parts)
+        """Sum the vector over the default group, in place, in one collective (on ``device`` when given: a user's
+        NCCL-only group cannot reduce CPU tensors); returns the summed vector, on the device it was reduced on."""
+        packed = self.packed if device is None else self.packed.to(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            on_device = packed.to(device) if device is not None else packed
-            dist.all_reduce(on_device)
-            packed = on_device.cpu()
-        return ControlVector(*torch.split(packed, [p.numel() for p in parts]))
+            dist.all_reduce(packed)
+        return self if packed is self.packed else ControlVector(packed, self.num_layers)
+
+    def cpu(self) -> ControlVector:
+        """The vector on the host (a wait for the device: the ledger reads many steps' in one)."""
+        return ControlVector(self.packed.cpu(), self.num_layers)
+
+    # What the host reads (call on a host vector: each value of a device one is a wait).
 
     def layer_grad_norms(self) -> list[float]:
-        return [float(v) ** 0.5 for v in self.layer_grad_sq]
+        return [v ** 0.5 for v in self.layer_grad_sq.tolist()]
 
     def layer_dots(self) -> list[float | None]:
         """Per layer, the dot product where it is valid, else None."""
-        return [float(d) if v > 0 else None for d, v in zip(self.layer_grad_dots, self.layer_dot_valid)]
+        return [d if v > 0 else None for d, v in zip(self.layer_grad_dots.tolist(), self.layer_dot_valid.tolist())]
 
     def descents(self) -> list[float | None]:
         """Per layer, the descent where it is valid, else None."""
-        return [float(d) if v > 0 else None for d, v in zip(self.layer_descents, self.layer_descent_valid)]
-
-    def set_descents(self, block_descents: torch.Tensor, block_valid: torch.Tensor, num_layers: int, *,
-                     embeddings_incomplete: bool) -> None:
-        """This rank's per-block descents (embeddings, layers, head) as the policy reads them: layer 0's counts the
-        embeddings, which freeze with it. ``embeddings_incomplete``: this rank's embeddings train but had no previous
-        step, so it vetoes layer 0's descent for this step (-1 in the sum of valid flags, which may come from the
-        rank holding layer 0)."""
-        self.layer_descents[:] = block_descents[1:num_layers + 1]
-        self.layer_descents[0] += block_descents[0]
-        self.layer_descent_valid[:] = block_valid[1:num_layers + 1]
-        if embeddings_incomplete:
-            self.layer_descent_valid[0] = -1.0
+        return [d if v > 0 else None for d, v in zip(self.layer_descents.tolist(), self.layer_descent_valid.tolist())]
 
     def total_grad_norm(self) -> float:
         return math.sqrt(float(self.total_grad_sq))
@@ -96,44 +128,83 @@ class ControlVector:
         """Some rank's stop request was a SIGINT: every rank reports the stop as an interruption."""
         return bool(self.interrupt_requests > 0)
 
-    def check_finite(self, step: int, checkpoint_dir: Path) -> None:
-        """Stop before a non-finite update reaches the weights; the last checkpoint stays the last good one."""
+    def check_finite(self, step: int, checkpoint_dir: Path, *, read_at: int | None = None) -> None:
+        """Raise at a non-finite step, before anything after it is saved: the last checkpoint stays the last good one.
+        ``read_at``: the step the host read this vector at (later than ``step`` when the ledger held it)."""
         loss, total_norm = float(self.loss), self.total_grad_norm()
         if math.isfinite(loss) and math.isfinite(total_norm):
             return
         bad = [i for i, v in enumerate(self.layer_grad_sq.tolist()) if not math.isfinite(v)]
         where = f"first in layer_{bad[0]}" if bad else "in the embeddings or head"
+        stopped = "" if read_at is None or read_at == step else f" (read at step {read_at})"
         raise TrainingDivergedError(
-            f"non-finite loss ({loss}) or gradient norm ({total_norm}) at step {step}, {where}; "
-            f"no update was applied; lower train.lr or set train.grad_clip, then resume from {checkpoint_dir}")
+            f"non-finite loss ({loss}) or gradient norm ({total_norm}) at step {step}, {where}{stopped}; "
+            f"nothing after step {step - 1} was saved; lower train.lr or set train.grad_clip, then resume from "
+            f"{checkpoint_dir}")
 
 
 def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.Tensor, *, stop: bool,
                    previous_grads: PreviousGradients | None, previous_weights: PreviousWeights | None = None,
                    interrupt: bool = False) -> ControlVector:
-    """This rank's share of the step's control vector, summed over the world (every rank must call).
-    ``interrupt``: this rank's stop request came from SIGINT."""
+    """This rank's share of the step's control vector, summed over the world (every rank must call), on
+    ``loss_sum``'s device, read by nothing on the host. ``interrupt``: this rank's stop request came from SIGINT."""
     layers = model.num_layers
-    control = ControlVector.zeros(layers)
-    control.stop_requests[0] = float(stop or interrupt)
-    control.interrupt_requests[0] = float(interrupt)
+    control = ControlVector.zeros(layers, loss_sum.device)
+    dot_valid = torch.zeros(layers, dtype=torch.float64)  # the host's fields, on the host
+    descent_valid = torch.zeros(layers, dtype=torch.float64)
     if placement.replica == 0:
         blocks = block_grad_sq_norms(model, range(*placement.blocks))
-        control.layer_grad_sq[:] = blocks[1:layers + 1]
-        control.total_grad_sq[0] = blocks.sum()
+        control.layer_grad_sq.copy_(blocks[1:layers + 1])
+        control.total_grad_sq.copy_(blocks.sum())
         if previous_grads is not None:
             start, end = placement.blocks  # layer blocks only: the policy reads no embeddings or head dots
             dots, valid = previous_grads.block_dots(model, range(max(start, 1), min(end, layers + 1)))
-            control.layer_grad_dots[:] = dots[1:layers + 1]
-            control.layer_dot_valid[:] = valid[1:layers + 1]
+            control.layer_grad_dots.copy_(dots[1:layers + 1])
+            dot_valid = valid[1:layers + 1]
         if previous_weights is not None:  # the embeddings too: their descent counts in layer 0's
             start, end = placement.blocks
             descents, valid = previous_weights.block_descents(model, range(start, min(end, layers + 1)))
+            control.layer_descents.copy_(descents[1:layers + 1])
+            control.layer_descents[:1] += descents[:1]
+            descent_valid = valid[1:layers + 1].clone()
             embeddings_train = start == 0 and any(p.requires_grad for p in model.blocks[0].parameters())
-            control.set_descents(descents, valid, layers, embeddings_incomplete=embeddings_train and valid[0] == 0)
+            if embeddings_train and valid[0] == 0:
+                # this rank's embeddings train but had no previous step: it vetoes layer 0's descent for this step
+                # (-1 in the sum of valid flags, which may come from the rank holding layer 0)
+                descent_valid[0] = -1.0
     if placement.last_stage:
-        control.loss[0] = loss_sum
+        control.loss.copy_(loss_sum)
+    control.set_host_fields(dot_valid, descent_valid, stop=stop, interrupt=interrupt)
     return control.all_reduce()
+
+
+class ControlLedger:
+    """The control vectors of the steps the host has not read yet, on the device, read in one copy.
+
+    Every rank appends the same steps' (all-reduced) vectors and the trainer reads at the same steps on every rank, so
+    whatever the host then decides from them (stop, freeze, diverged) it decides at the same step everywhere.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._vectors: list[ControlVector] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def append(self, step: int, control: ControlVector) -> None:
+        self._steps.append(step)
+        self._vectors.append(control)
+
+    def read(self) -> list[tuple[int, ControlVector]]:
+        """Every unread step's vector on the host, in step order (one copy for them all), and the ledger empties."""
+        if not self._steps:
+            return []
+        num_layers = self._vectors[0].num_layers
+        rows = torch.stack([control.packed for control in self._vectors]).cpu()
+        read = [(step, ControlVector(row, num_layers)) for step, row in zip(self._steps, rows)]
+        self._steps, self._vectors = [], []
+        return read
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

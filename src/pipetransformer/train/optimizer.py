@@ -64,17 +64,20 @@ class HeldOptimizer:
         self._built = True
         self._install_restored()
 
-    def step(self, lr: float, total_grad_norm: float) -> None:
-        """Clip to ``train.grad_clip`` by the gradient norm of the whole model (from the control vector), set the
-        rate, update, and clear the gradients."""
+    def step(self, lr: float, total_grad_norm: torch.Tensor | float) -> None:
+        """Clip to ``train.grad_clip`` by the gradient norm of the whole model (from the control vector: a tensor on
+        the device, so the clip reads nothing on the host, as ``clip_grad_norm_``), set the rate, update, and clear
+        the gradients."""
         if self.optimizer is None:
             return
         clip = self.settings.grad_clip
-        if clip is not None and total_grad_norm > 0:
-            coef = clip / (total_grad_norm + CLIP_EPSILON)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if coef < 1.0 and grads:
-                torch._foreach_mul_(grads, coef)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if clip is not None and grads:
+            # a coefficient of 1 (a norm within the clip, or 0) multiplies every gradient by exactly 1: no change; in
+            # the gradients' dtype, as a Python float would be (the fused kernel wants the scalar's dtype and device)
+            norm = torch.as_tensor(total_grad_norm, dtype=torch.float64, device=grads[0].device).reshape(())
+            coef = (clip / (norm + CLIP_EPSILON)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -93,6 +93,7 @@ class RunRecorder:
                            if self.settings.record_samples else None)
         self.started = time.perf_counter()
         self._bar: Any = None
+        self._bar_loss = math.nan  # the last loss read from the device
 
     def write_config(self, config: Config) -> None:
         """Only once set-up succeeded: a bad config never overwrites a run's record."""
@@ -107,19 +108,28 @@ class RunRecorder:
             self._bar = tqdm(total=total_samples, initial=samples_done, unit="samples", dynamic_ncols=True,
                              mininterval=BAR_REFRESH_S)
 
-    def logs(self, step: int) -> bool:
-        """Whether ``step``'s record is written (every ``run.log_every``-th step and the first, on rank 0)."""
-        return self.metrics is not None and (step % self.settings.log_every == 0 or step == 1)
+    def is_log_step(self, step: int) -> bool:
+        """Whether ``step`` is a logged one (every ``run.log_every``-th and the first), on any rank: the trainer reads
+        the step's numbers from the device then."""
+        return step % self.settings.log_every == 0 or step == 1
 
-    def step(self, progress: Progress, result: StepResult, samples: int, timer: StepTimer, plan: LayoutPlan,
+    def logs(self, step: int) -> bool:
+        """Whether ``step``'s record is written (a log step, on rank 0)."""
+        return self.metrics is not None and self.is_log_step(step)
+
+    def step(self, progress: Progress, result: StepResult | None, samples: int, timer: StepTimer, plan: LayoutPlan,
              frozen_layers: int) -> None:
+        """``result``: the step's numbers where the trainer read them (always on a log step), else None: the bar
+        moves and keeps the last loss it was shown."""
         step_s = timer.total()
         layout = plan.layout
+        if result is not None:
+            self._bar_loss = result.loss
         if self._bar is not None:
             self._bar.update(samples)
-            self._bar.set_postfix_str(f"loss {result.loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
+            self._bar.set_postfix_str(f"loss {self._bar_loss:.3f} | {samples / step_s:.1f} samples/s | frozen "
                                       f"{frozen_layers} | stages {layout.num_stages} x dp {layout.dp_width}")
-        if not self.logs(progress.step):
+        if result is None or not self.logs(progress.step):
             return
         record = {"step": progress.step, "epoch": progress.epoch, "loss": result.loss, "lr": result.lr,
                   "samples_per_s": samples / step_s, "step_s": step_s, "global_batch": samples,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from pipetransformer.data.batch import Batch, IndexedDataset
 from pipetransformer.data.text import TextDataset
+from pipetransformer.distributed import to_device
 from pipetransformer.dp.sync import GradientSync
 from pipetransformer.metrics import StepTimer
 from pipetransformer.models.blocks import BlockSequence
@@ -67,7 +68,7 @@ class StepExecutor(Protocol):
 
     def forward_backward(self, batch: Batch, global_rows: int, timer: StepTimer) -> torch.Tensor:
         """Gradients of the loss over ``global_rows`` samples; returns the summed loss this rank computed
-        (float64, zero where no last stage runs)."""
+        (float64 on the device, unread: zero where no last stage runs)."""
 
     def synchronize(self) -> int:
         """Finish summing the gradients over the stage's replicas; returns the bytes reduced."""
@@ -93,10 +94,10 @@ class LocalStep:
             activation = ctx.prefix.prefix(batch, self.plan)
             outputs = ctx.model.forward_range(activation, self.plan.frozen_blocks, len(ctx.model),
                                               recompute=self.plan.recomputed_blocks)[0]
-            loss = ctx.task.loss(outputs, ctx.task.targets(batch.labels).to(ctx.device)) / global_rows
+            loss = ctx.task.loss(outputs, to_device(ctx.task.targets(batch.labels), ctx.device)) / global_rows
         with timer.phase("backward"):
             loss.backward()
-        return loss.detach().double().cpu()
+        return loss.detach().double()
 
     def synchronize(self) -> int:
         return self.sync.synchronize()
@@ -156,9 +157,11 @@ class PipelineStep:
                                                  self.schedule)
             text = ctx.dataset.task == TextDataset.task
             shape_key = (len(batch), *(batch.inputs[0].shape[1:2] if text else ()))
-            targets = ctx.task.targets(batch.labels).to(ctx.device)
+            targets = to_device(ctx.task.targets(batch.labels), ctx.device)
             losses = self.runner.step(shape_key, micro, schedule, inputs, targets)
-        return torch.tensor(sum(float(loss.detach()) for loss in losses), dtype=torch.float64)
+        if not losses:  # not the last stage: no loss here
+            return torch.zeros((), dtype=torch.float64, device=ctx.device)
+        return torch.stack([loss.detach() for loss in losses]).double().sum()
 
     def synchronize(self) -> int:
         return self.sync.synchronize()

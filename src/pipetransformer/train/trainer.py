@@ -1,8 +1,11 @@
 """The training loop: it wires this package's components together and reads top to bottom.
 
 A step: sampler -> replica's share -> frozen prefix (cache or no-grad forward) -> stages -> gradient sync ->
-control vector (one world all-reduce) -> clip -> optimizer. Then AutoFreeze decides; a new frozen set is
-applied, re-planned and handed over to the new layout. ``docs/architecture.md`` names each arrow's module.
+control vector (one world all-reduce, on the device) -> clip -> optimizer -> control ledger. At a step whose
+decisions need them (a logged step, a freeze window's end, an evaluation, a checkpoint, an epoch's or the run's end)
+the host reads the ledger: every pending step's numbers are checked and observed in order, and a stop request is acted
+on. Then AutoFreeze decides; a new frozen set is applied, re-planned and handed over to the new layout.
+``docs/architecture.md`` names each arrow's module.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pipetransformer.train.autofreeze import AutoFreeze
 from pipetransformer.train.build import (build_blocks, check_data_fits_model, describe_model, load_splits,
                                          resolve_run_dir, seed_everything)
 from pipetransformer.train.checkpointer import Checkpointer
-from pipetransformer.train.control import StopSignals, gather_control
+from pipetransformer.train.control import ControlLedger, StopSignals, gather_control
 from pipetransformer.train.elastic import ElasticLayout
 from pipetransformer.train.evaluator import Evaluator
 from pipetransformer.train.optimizer import HeldOptimizer
@@ -86,6 +89,7 @@ class Trainer:
         if start_freeze is not None:
             self.recorder.event("freeze", start_freeze)
         self.stop_signals = StopSignals(lone_process=env.world_size == 1)
+        self.ledger = ControlLedger()
         self.profiler = StepProfiler(config.run.profile_steps, self.run_dir, env.rank, env.device)
         self.recorder.write_config(config)
 
@@ -101,6 +105,7 @@ class Trainer:
         resumed_mid_epoch = progress.step > 0 and not progress.epoch_done
         first_epoch = progress.epoch + (1 if progress.epoch_done else 0)
         done = cfg.max_steps is not None and progress.step >= cfg.max_steps
+        lr, allreduce_bytes = 0.0, 0  # the last step's, for a result read at its epoch's end
         self.stop_signals.install()
         try:
             for epoch in range(first_epoch, cfg.epochs):
@@ -116,30 +121,42 @@ class Trainer:
                     if global_batch is None:
                         break
                     self.profiler.before_step(progress.step + 1)
-                    result = self._train_step(global_batch, timer)
+                    lr, allreduce_bytes = self._train_step(global_batch, timer)
                     progress.step += 1
                     self.profiler.after_step(progress.step)
                     progress.samples += len(global_batch)
+                    step = progress.step
+                    done = cfg.max_steps is not None and step >= cfg.max_steps
+                    evaluate = bool(cfg.eval_every_steps) and step % cfg.eval_every_steps == 0
+                    every = self.config.checkpoint.every_steps
+                    mid_epoch = not self._epoch_exhausted()  # at an epoch's end the epoch-end checkpoint follows
+                    save = mid_epoch and ((bool(every) and step % every == 0) or done)
+                    result = None
+                    if (evaluate or save or not mid_epoch or self.recorder.is_log_step(step)
+                            or self.freezer.needs_statistics()):
+                        result = self._read_control(lr, allreduce_bytes)
                     self.recorder.step(progress, result, len(global_batch), timer, self.layout.plan,
                                        len(self.freezer.frozen))
                     self._freeze(epoch_end=False)
-                    if cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0:
+                    if evaluate:
                         self._validate(started)
-                    done = cfg.max_steps is not None and progress.step >= cfg.max_steps
-                    every = self.config.checkpoint.every_steps
-                    mid_epoch = not self._epoch_exhausted()  # at an epoch's end the epoch-end checkpoint follows
-                    if result.stop_requested or (mid_epoch and ((every and progress.step % every == 0) or done)):
+                    stop = result is not None and result.stop_requested
+                    if stop or save:
                         self._checkpoint(started)
-                    if result.stop_requested:
+                    if stop:
                         return self._stop(started, signal.SIGINT if result.interrupted else signal.SIGTERM)
                 if done and not self._epoch_exhausted():  # max_steps mid-epoch: a resume goes on with this epoch
                     break
+                # pending only where the last step's transition grew the global batch past the epoch's rest
+                late = self._read_control(lr, allreduce_bytes)
                 if not cfg.eval_every_steps:
                     self._validate(started)
                 self._freeze(epoch_end=True)  # even on the last step: a checkpoint's policy is the model's state
                 progress.epoch_done = True
                 self.recorder.epoch_done(self.state.samples_done())
                 self._checkpoint(started)
+                if late is not None and late.stop_requested:
+                    return self._stop(started, signal.SIGINT if late.interrupted else signal.SIGTERM)
             if not progress.eval_history or progress.eval_history[-1]["step"] != progress.step:
                 self._validate(started)  # the final model, whatever eval_every_steps is
         finally:
@@ -148,15 +165,16 @@ class Trainer:
             self.recorder.stop()
         return self._finish(started)
 
-    def _train_step(self, global_batch: list[int], timer: StepTimer) -> StepResult:
-        """One optimizer step on ``global_batch``; every rank returns the same result (from the control vector)."""
+    def _train_step(self, global_batch: list[int], timer: StepTimer) -> tuple[float, int]:
+        """One optimizer step on ``global_batch``, its control vector left in the ledger; returns what the host knows
+        of it: the learning rate and this rank's bytes of gradient sync. Nothing here waits for the device."""
         # Dropout streams depend on (seed, step, rank) only, so a resumed run draws the same masks.
         torch.manual_seed(hash((self.config.seed, self.progress.step, self.env.rank)) % RNG_MODULUS)
         rows = len(global_batch)
         schedule_lr = lr_at(self.state.samples_done() - rows, self._total_samples(), self.config.train, rows)
         lr = schedule_lr * self.layout.lr_scale()
         placement, executor = self.layout.placement, self.layout.executor
-        loss_sum, allreduce_bytes = torch.zeros((), dtype=torch.float64), 0
+        loss_sum, allreduce_bytes = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
         if executor is not None:  # idle ranks only take part in the control vector
             share = placement.share(global_batch)
             with timer.phase("data"):
@@ -173,13 +191,27 @@ class Trainer:
                                      interrupt=self.stop_signals.received == signal.SIGINT,
                                      previous_grads=self.freezer.previous_grads,
                                      previous_weights=self.freezer.previous_weights)
-        control.check_finite(self.progress.step + 1, self.checkpointer.directory)
         with timer.phase("optimizer"):
-            self.optimizer.step(lr, control.total_grad_norm())
+            self.optimizer.step(lr, control.total_grad_sq.sqrt())
             self.layout.refresh_tied_weights()
-        norms, dots, descents = self.freezer.observe(control)
-        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, descents, control.stop_requested,
-                          control.interrupted)
+        self.ledger.append(self.progress.step + 1, control)
+        return lr, allreduce_bytes
+
+    def _read_control(self, lr: float, allreduce_bytes: int) -> StepResult | None:
+        """Read the ledger (one wait for the device) and replay each pending step in order: the finite check (raised
+        before anything after the bad step is saved: every save reads first), then the freeze statistics. Returns
+        the current step's result (None: nothing pending); a stop request of any pending step stops at this one.
+        Every rank reads at the same steps, so every rank takes the same decisions at the same step."""
+        pending = self.ledger.read()
+        if not pending:
+            return None
+        stop = interrupted = False
+        current = self.progress.step
+        for step, control in pending:
+            control.check_finite(step, self.checkpointer.directory, read_at=current)
+            norms, dots, descents = self.freezer.observe(control)
+            stop, interrupted = stop or control.stop_requested, interrupted or control.interrupted
+        return StepResult(float(control.loss), lr, allreduce_bytes, norms, dots, descents, stop, interrupted)
 
     def _freeze(self, epoch_end: bool) -> None:
         record = self.freezer.update(self.progress.step, self.progress.epoch, epoch_end, self.optimizer)
