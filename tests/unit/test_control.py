@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -9,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from pipetransformer.config import PipeConfig
-from pipetransformer.freeze.apply import block_grad_sq_norms
+from pipetransformer.config import PipeConfig, TrainConfig
+from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, block_grad_sq_norms
 from pipetransformer.pipe.planner import LayoutPlan, plan_layout
 from pipetransformer.train.control import (DEVICE_FIELDS, HOST_FIELDS, ControlLedger, ControlVector,
                                            TrainingDivergedError, gather_control)
 from pipetransformer.train.elastic import UNIFORM_COST, Placement
-from tiny import LAYERS, tiny_dataset, tiny_model
+from pipetransformer.train.optimizer import HeldOptimizer
+from tiny import LAYERS, PIXELS, tiny_dataset, tiny_model
 
 LOSS_SUM = 0.75
 
@@ -90,3 +92,25 @@ def test_the_ledger_reads_every_pending_step_in_order_in_one_copy_and_empties() 
     read = ledger.read()
     assert [step for step, _ in read] == [4, 5, 6] and [float(c.loss) for _, c in read] == [0.4, 0.5, 0.6]
     assert len(ledger) == 0 and ledger.read() == []
+
+
+def test_a_steps_control_path_never_reads_the_device_on_the_host() -> None:
+    """Statistics, control vector, clip, update and ledger on the meta device, whose values do not exist: any read on
+    the host (``.item()``, ``float(t)``, ``.tolist()``, ``.cpu()``) raises. Only the ledger's read copies, once."""
+    meta = torch.device("meta")
+    model = tiny_model().to(meta)
+    optimizer = HeldOptimizer(model, dataclasses.replace(TrainConfig(), grad_clip=1.0))
+    optimizer.rebuild((0, len(model)), {})
+    previous_grads, previous_weights = PreviousGradients(), PreviousWeights()
+    ledger = ControlLedger()
+    for step in (1, 2):  # the second has every statistic valid: the dot products and descents are computed
+        inputs = torch.randn(8, *PIXELS, device=meta)
+        loss = nn.functional.cross_entropy(model(inputs), torch.zeros(8, dtype=torch.long, device=meta))
+        loss.backward()
+        control = gather_control(model, Placement.of(_plan(1), 0), loss.detach().double(), stop=False,
+                                 previous_grads=previous_grads, previous_weights=previous_weights)
+        optimizer.step(1e-3, control.total_grad_sq.sqrt())
+        ledger.append(step, control)
+    assert control.packed.device == meta and len(ledger) == 2
+    with pytest.raises(NotImplementedError, match="meta"):  # the one copy: there is nothing to copy on meta
+        ledger.read()

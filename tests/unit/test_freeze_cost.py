@@ -1,5 +1,5 @@
 """What the freezer's statistics cost a step: a fixed number of ops per block, however many parameters it has, and
-(on CUDA) a fixed number of host syncs. A per-parameter loop of small ops is cheap on two CPU cores and a kernel
+(on CUDA) no host sync. A per-parameter loop of small ops is cheap on two CPU cores and a kernel
 launch each on a GPU, where steps take milliseconds."""
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def count_syncs(step: Callable[[], None]) -> int:
 
 
 @pytest.mark.cuda(devices=1)
-def test_the_statistics_sync_the_host_a_fixed_number_of_times_per_step_on_cuda() -> None:
-    """Two copies to the host a step (the squared norms, the descents), whatever the model's size: the statistics
-    travel in the step's control vector, which is summed over the world on the host."""
+def test_the_statistics_never_sync_the_host_on_cuda() -> None:
+    """No host sync a step, whatever the model's size: the statistics stay on the device (their indices are made once
+    per layout), in the step's control vector, which the trainer reads only where a decision needs it."""
     syncs = []
     for parts in (1, 8):
         model = model_of(parts).cuda()
@@ -135,5 +135,6 @@ def test_the_statistics_sync_the_host_a_fixed_number_of_times_per_step_on_cuda()
             optimizer.step()
 
         step()
+        step()  # the first with descents: their device index is made once, here
         syncs.append(count_syncs(step))
-    assert syncs[0] == syncs[1] <= 2, syncs
+    assert syncs == [0, 0], syncs

@@ -35,6 +35,7 @@ __all__ = [
     "RelativeIndex",
     "RelativeRows",
     "RelativeTable",
+    "build_mask_once",
     "deberta_rows",
     "mpnet_rows",
 ]
@@ -134,6 +135,41 @@ class HFEmbeddingsBlock(nn.Module):
         return hidden.contiguous(), attention_mask, *state
 
 
+class _LastMask:
+    """Per mask builder, the attention mask built last and what it was built from.
+
+    The whole model builds its mask once a forward; split into blocks, every layer would build it again, and building
+    it reads the padding mask on the host (sdpa drops an all-ones mask: ``mask.all()``), which on a GPU is a wait per
+    layer a step. The layers of one forward pass the same padding-mask tensor along, so a layer given the very tensor
+    (``is``, held here so its id cannot be reused), the same config, attention kernel and hidden shape, dtype and
+    device gets the mask built for the layer before it. One entry per builder (ModernBERT alternates two): the next
+    forward's mask replaces it."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Callable[..., Any], tuple[tuple[Any, ...], torch.Tensor | None, Any]] = {}
+
+    def get(self, build: Callable[..., Any], config: PreTrainedConfig, hidden: torch.Tensor,
+            attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        key = (id(config), getattr(config, "_attn_implementation", None), tuple(hidden.shape), hidden.dtype,
+               hidden.device)
+        entry = self.entries.get(build)
+        if entry is not None and attention_mask is not None and entry[1] is attention_mask and entry[0] == key:
+            return entry[2]
+        mask = build(config=config, inputs_embeds=hidden, attention_mask=attention_mask, **kwargs)
+        self.entries[build] = (key, attention_mask, mask)
+        return mask
+
+
+_LAST_MASK = _LastMask()
+
+
+def build_mask_once(build: Callable[..., Any], config: PreTrainedConfig, hidden: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+    """``build(config=, inputs_embeds=hidden, attention_mask=, **kwargs)``, reused by the next layers of the same
+    forward (:class:`_LastMask`); ``kwargs`` must follow from ``hidden``'s shape (the decoder's positions do)."""
+    return _LAST_MASK.get(build, config, hidden, attention_mask, **kwargs)
+
+
 class HFLayerBlock(nn.Module):
     """One encoder layer that turns the int64 padding mask into the mask its attention kernel wants.
 
@@ -168,7 +204,7 @@ class HFLayerBlock(nn.Module):
         return self.layer(hidden, self._mask(hidden, attention_mask))
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> Any:
-        return self._build_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        return build_mask_once(self._build_mask, self.config, hidden, attention_mask)
 
 
 class MPNetLayerBlock(HFLayerBlock):

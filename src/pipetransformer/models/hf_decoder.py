@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pipetransformer.models.blocks import BlockSequence, BlockSplitError, TiedWeight
+from pipetransformer.models.hf_blocks import build_mask_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -151,8 +152,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = self._build_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-                                position_ids=positions)
+        mask = build_mask_once(self._build_mask, self.config, hidden, attention_mask, cache=None, position_ids=positions)
         extra: dict[str, Any] = {}
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(hidden, position_ids=positions)
