@@ -59,9 +59,9 @@ class Head(nn.Module):
         return (self.out(hidden),)
 
 
-def model_of(parts: int) -> BlockSequence:
+def model_of(parts: int, layers: int = LAYERS) -> BlockSequence:
     torch.manual_seed(0)
-    return BlockSequence(Split(parts), [Split(parts) for _ in range(LAYERS)], Head(), task="image")
+    return BlockSequence(Split(parts), [Split(parts) for _ in range(layers)], Head(), task="image")
 
 
 def a_step(model: BlockSequence, optimizer: torch.optim.Optimizer) -> None:
@@ -69,10 +69,10 @@ def a_step(model: BlockSequence, optimizer: torch.optim.Optimizer) -> None:
     model(torch.randn(BATCH, WIDTH))[0].square().mean().backward()
 
 
-def statistics_ops(parts: int) -> ComputeOps:
-    """The ops of one step's statistics (squared norms and descents of every block), after a first step set the
-    previous samples."""
-    model = model_of(parts)
+def statistics_ops(parts: int, layers: int = LAYERS, *, norms: bool = True) -> ComputeOps:
+    """The ops of one step's statistics (squared norms, unless not ``norms``, and descents of every block), after a
+    first step set the previous samples."""
+    model = model_of(parts, layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     history = PreviousWeights()
     blocks = range(len(model))
@@ -81,7 +81,8 @@ def statistics_ops(parts: int) -> ComputeOps:
     optimizer.step()
     a_step(model, optimizer)
     with ComputeOps() as ops:
-        block_grad_sq_norms(model, blocks)
+        if norms:
+            block_grad_sq_norms(model, blocks)
         history.block_descents(model, blocks)
     return ops
 
@@ -91,6 +92,15 @@ def test_the_statistics_cost_a_fixed_number_of_ops_per_block_whatever_its_parame
     assert few == many, f"ops that grow with the parameters: {(many - few) or (few - many)}"
     assert sum(few.values()) <= 6 * (LAYERS + 2) + 8, few  # a handful per block and per step, not per parameter
     assert HOST_READ not in few, "the statistics read a tensor's value on the host (.item()): a sync on a GPU"
+
+
+def test_the_descents_cost_the_same_ops_whatever_the_number_of_blocks() -> None:
+    """Every block's descent comes out of the same few fused ops (one concatenation of the weights' samples, one of
+    the gradients', the products, one sum into the blocks): a dot product a block was five ops a block, and on a GPU
+    five kernels."""
+    shallow, deep = statistics_ops(1, LAYERS, norms=False).counts, statistics_ops(1, 2 * LAYERS, norms=False).counts
+    assert shallow == deep, f"ops that grow with the blocks: {(deep - shallow) or (shallow - deep)}"
+    assert sum(shallow.values()) <= 10, shallow
 
 
 def test_the_descent_samples_each_parameter_with_one_view_of_its_weights_and_one_of_its_gradient() -> None:

@@ -168,7 +168,7 @@ def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.T
             control.layer_descents[:1] += descents[:1]
             descent_valid = valid[1:layers + 1].clone()
             embeddings_train = start == 0 and any(p.requires_grad for p in model.blocks[0].parameters())
-            if embeddings_train and valid.tolist()[0] == 0:  # a host tensor: read as a list, no dispatch
+            if embeddings_train and valid.tolist()[0] == 0:  # valid lives on the host: no wait
                 # this rank's embeddings train but had no previous step: it vetoes layer 0's descent for this step
                 # (-1 in the sum of valid flags, which may come from the rank holding layer 0)
                 descent_valid[0] = -1.0

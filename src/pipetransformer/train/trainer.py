@@ -45,6 +45,10 @@ __all__ = ["Trainer", "train"]
 logger = logging.getLogger(__name__)
 
 RNG_MODULUS = 2**63  # torch.manual_seed takes a 64-bit seed
+STOP_READ_STEPS = 10
+"""The device is read at least every this many steps, whatever ``run.log_every``: a stop request (SIGTERM, Ctrl-C) is
+acted on within them. On a GPU a read is one wait for the queued work, so this costs at most one step's overlap in
+ten."""
 
 
 class Trainer:
@@ -133,7 +137,7 @@ class Trainer:
                     save = mid_epoch and ((bool(every) and step % every == 0) or done)
                     result = None
                     if (evaluate or save or not mid_epoch or self.recorder.is_log_step(step)
-                            or self.freezer.needs_statistics()):
+                            or self.freezer.needs_statistics() or step % STOP_READ_STEPS == 0):
                         result = self._read_control(lr, allreduce_bytes)
                     self.recorder.step(progress, result, len(global_batch), timer, self.layout.plan,
                                        len(self.freezer.frozen))
