@@ -2,9 +2,10 @@
 
 A step: sampler -> replica's share -> frozen prefix (cache or no-grad forward) -> stages -> gradient sync ->
 control vector (one world all-reduce, on the device) -> clip -> optimizer -> control ledger. At a step whose
-decisions need them (a logged step, a freeze window's end, an evaluation, a checkpoint, an epoch's or the run's end)
-the host reads the ledger: every pending step's numbers are checked and observed in order, and a stop request is acted
-on. Then AutoFreeze decides; a new frozen set is applied, re-planned and handed over to the new layout.
+decisions need them (a logged step, a freeze window's end, an evaluation, a checkpoint, an epoch's or the run's end,
+and at least every ``STOP_READ_STEPS``-th) the host reads the ledger: every pending step's numbers are checked and
+observed in order, and a stop request is acted on. Then AutoFreeze decides; a new frozen set is applied, re-planned
+and handed over to the new layout.
 ``docs/architecture.md`` names each arrow's module.
 """
 
