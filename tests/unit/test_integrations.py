@@ -206,3 +206,48 @@ def test_a_layer_without_trainable_parameters_is_named_before_training(caplog: p
         freezer = AutoFreezer(wrapped, torch.optim.AdamW(trainable), total_steps=100,
                               settings=FreezeConfig(prior=2))
     assert freezer.frozen_layers == 2 and "no trainable parameters" not in caplog.text
+
+
+def _plain_loop(steps: int) -> tuple[AutoFreezer, list[int], list[dict[str, object]], dict[str, torch.Tensor]]:
+    """A plain loop with the default (descent) freezer in windows of 4 steps: the freezer, the steps (its count when
+    called) at which the policy observed statistics, the decisions, and the final weights."""
+    torch.manual_seed(0)
+    model = _bert()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    freezer = AutoFreezer(model, optimizer, settings=FreezeConfig(interval=4, interval_unit="steps",
+                                                                  min_window_steps=4, learned_min_steps=4))
+    observed_at: list[int] = []
+    observe = freezer.policy.observe
+
+    def observing(*args: object, **kwargs: object) -> None:
+        observed_at.append(freezer.steps)
+        observe(*args, **kwargs)
+
+    freezer.policy.observe = observing  # type: ignore[method-assign]
+    decisions = []
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (8, 6), generator=generator)
+        model(ids, labels=(ids[:, 0] % 2)).loss.backward()
+        if (record := freezer.step()) is not None:
+            decisions.append(record)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return freezer, observed_at, decisions, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_plain_loops_freezer_reads_the_device_only_at_a_windows_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the statistics waits for a GPU's queued work, so the freezer holds each step's on the device and the
+    policy observes them all, in order, when a window ends: the same policy state, decisions and weights as reading
+    every step."""
+    steps = 14
+    freezer, observed_at, decisions, weights = _plain_loop(steps)
+    assert observed_at == [3] * 4 + [7] * 4 + [11] * 4, observed_at  # 12 steps observed, at the windows' last
+    state = freezer.state_dict()  # a checkpoint observes what is still pending: steps 12 and 13
+    assert observed_at[12:] == [steps, steps]
+    monkeypatch.setattr("pipetransformer.integrations.freezer.MAX_UNREAD_STEPS", 1)  # every step read
+    every, observed_every, decisions_every, weights_every = _plain_loop(steps)
+    assert observed_every == list(range(steps))
+    assert every.state_dict() == state and decisions_every == decisions and every.outcome() == freezer.outcome()
+    for name, value in weights.items():
+        assert torch.equal(weights_every[name], value), name

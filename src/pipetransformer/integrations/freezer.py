@@ -36,13 +36,16 @@ from pipetransformer.freeze.policies import (UNWINDOWED, CoherencePolicy, Descen
 from pipetransformer.integrations.cache import PrefixServer
 from pipetransformer.integrations.ddp import check_droppable, drop_frozen_from_ddp
 from pipetransformer.integrations.layers import LayerStack, find_layer_stack
-from pipetransformer.train.control import ControlVector
+from pipetransformer.train.control import ControlLedger, ControlVector
 
 __all__ = ["AutoFreezer", "sharded_by_fsdp2"]
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+MAX_UNREAD_STEPS = 64
+"""The host reads the steps' statistics from the device at a decision window's end, or once this many are pending (a
+policy without windows reads none): a read waits for the GPU, and the vectors held are a few bytes a layer."""
 FRACTION = "fraction"
 EPOCHS = "epochs"
 
@@ -120,7 +123,7 @@ class AutoFreezer:
     ``ddp`` its wrapper if any.
     Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
     gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
-    before it steps. What froze before the first step (the prior) is recorded in ``at_start``.
+    before it steps. The statistics stay on the device until a decision window ends (a read waits for a GPU). What froze before the first step (the prior) is recorded in ``at_start``.
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
     ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
     the coherence and gradient tests may freeze by each step (the default descent test has no budget). ``settings``
@@ -170,6 +173,7 @@ class AutoFreezer:
         self.frozen_layers = 0
         self._frozen_modules: set[int] = set()
         self.steps = 0
+        self._unread = ControlLedger()  # the steps' all-reduced statistics, on the device until the policy needs them
         self._hooks: list[RemovableHandle] = []
         self._boundary_hook: RemovableHandle | None = None
         self.cache: PrefixServer | None = None
@@ -247,11 +251,9 @@ class AutoFreezer:
                 control.layer_descents.copy_(descents)
                 if rank0:
                     control.layer_descent_valid.copy_(valid)
-        # the policy reads every step on the host here (one copy; the Trainer defers its reads to a ledger)
-        control = control.all_reduce(device=self._device).cpu()
-        self.policy.observe(control.layer_grad_norms(),
-                            control.layer_dots() if self.previous_grads is not None else None,
-                            control.descents() if self.previous_weights is not None else None)
+        self._unread.append(self.steps, control.all_reduce(device=self._device))
+        if self.policy.next_step_ends_a_window() or len(self._unread) >= MAX_UNREAD_STEPS:
+            self._observe_unread()
         decision = self.policy.decide(self.steps, 0, epoch_end=False)
         self.steps += 1
         if decision is None:
@@ -260,6 +262,13 @@ class AutoFreezer:
         self._freeze(frozen)
         return {"step": decision.step, "frozen_layers": frozen,
                 **{k: v for k, v in decision.details.items() if isinstance(v, (int, float, str, list))}}
+
+    def _observe_unread(self) -> None:
+        """Hand the policy every pending step's statistics, in order (one copy from the device for them all)."""
+        for _, control in self._unread.read():
+            self.policy.observe(control.layer_grad_norms(),
+                                control.layer_dots() if self.previous_grads is not None else None,
+                                control.descents() if self.previous_weights is not None else None)
 
     def _freeze(self, frozen_layers: int) -> None:
         """Freeze the first ``frozen_layers`` layers and the embeddings (with layer 0 or by the prior) in the model,
@@ -318,10 +327,12 @@ class AutoFreezer:
 
     def outcome(self) -> str:
         """One line: how many layers froze, or why none did."""
+        self._observe_unread()
         return self.policy.outcome()
 
     def state_dict(self) -> dict[str, Any]:
         """The policy's counters and frozen set: put it in your checkpoint beside the model and optimizer."""
+        self._observe_unread()
         return {"version": STATE_VERSION, "steps": self.steps, "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -329,5 +340,6 @@ class AutoFreezer:
         saved optimizer holds only the parameters that were still training)."""
         self.policy.load_state_dict(state["policy"])
         self.steps = int(state["steps"])
+        self._unread.read()  # steps before the checkpoint's are not this run's
         self._freeze(frozen_prefix_layers(self.policy.frozen))
 
