@@ -123,7 +123,8 @@ class AutoFreezer:
     ``ddp`` its wrapper if any.
     Call :meth:`step` on every rank after ``loss.backward()`` and before ``optimizer.step()``: it reads the step's
     gradients (DDP has already averaged them) and, when the policy freezes layers, takes them out of ``optimizer``
-    before it steps. The statistics stay on the device until a decision window ends (a read waits for a GPU). What froze before the first step (the prior) is recorded in ``at_start``.
+    before it steps. The statistics stay on the device until a decision window ends (a read waits for a GPU). What
+    froze before the first step (the prior) is recorded in ``at_start``.
     ``total_steps`` (the planned optimizer steps) sizes the default decision windows (a share of the run), and
     ``learning_rates`` (one per step, any scale; constant when omitted) the learning-rate budget that bounds how deep
     the coherence and gradient tests may freeze by each step (the default descent test has no budget). ``settings``
