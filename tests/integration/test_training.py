@@ -70,21 +70,23 @@ def test_vocabulary_summed_by_touched_rows_trains_as_summed_whole(tmp_path: Path
 
 
 def test_coherence_signals_of_a_pipeline_and_of_replicas_equal_one_process(tmp_path: Path) -> None:
-    """The coherence policy's inputs, g_t . g_{t-1} per layer, assembled in the control vector from the stages
-    that hold the layers (2-stage pipeline) or from replica 0 (data parallelism), equal one process's."""
+    """The freezer's inputs, g_t . g_{t-1} and the descent per layer (every step logged computes both), assembled in
+    the control vector from the stages that hold the layers (2-stage pipeline) or from the replica that measures each
+    (data parallelism: a share each), equal one process's."""
     logged = ("train.max_steps=5", "run.log_every=1", "freeze.enabled=true", "freeze.policy=coherence")
     reference = tmp_path / "reference"
     run_job(TEXT, reference, *logged)
     piped, replicas = tmp_path / "piped", tmp_path / "replicas"
     run_job(TEXT, piped, *logged, "pipe.enabled=true", "pipe.stages=2", "pipe.micro_batches=2", nproc=2)
     run_job(TEXT, replicas, *logged, nproc=2)
-    expected = [r["layer_grad_dots"] for r in logged_records(reference, "step")]
-    assert expected[0] == [None] * 4 and all(v is not None for row in expected[1:] for v in row)
-    for run in (piped, replicas):
-        got = [r["layer_grad_dots"] for r in logged_records(run, "step")]
-        assert got[0] == [None] * 4
-        for got_row, want_row in zip(got[1:], expected[1:], strict=True):
-            assert got_row == pytest.approx(want_row, rel=1e-3, abs=1e-9)
+    for signal in ("layer_grad_dots", "layer_descents"):
+        expected = [r[signal] for r in logged_records(reference, "step")]
+        assert expected[0] == [None] * 4 and all(v is not None for row in expected[1:] for v in row), signal
+        for run in (piped, replicas):
+            got = [r[signal] for r in logged_records(run, "step")]
+            assert got[0] == [None] * 4, signal
+            for got_row, want_row in zip(got[1:], expected[1:], strict=True):
+                assert got_row == pytest.approx(want_row, rel=1e-3, abs=1e-9), signal
     # 5 steps are no window of the default cadence: the run says so instead of freezing nothing silently
     assert "nothing froze in 0 decision windows: the coherence test needs 4 (two to learn" in summary(reference)["freeze_outcome"]
 

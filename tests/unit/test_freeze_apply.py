@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipetransformer.freeze.apply import (DESCENT_SAMPLE_STRIDE, PreviousGradients, PreviousWeights, block_grad_sq_norms,
-                                          freeze_blocks)
+                                          freeze_blocks, replica_share)
 from pipetransformer.freeze.policies import frozen_blocks
 from pipetransformer.models.blocks import BlockSequence
 
@@ -268,3 +268,13 @@ def test_the_sampled_descent_estimates_the_whole_dot_product() -> None:
     whole = -float((gradient.double() * update.double()).sum())
     assert valid[0] == 1.0 and whole > 0
     assert float(descents[0]) == pytest.approx(whole, rel=0.05)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+def test_the_replicas_shares_cover_every_block_once(replicas: int) -> None:
+    blocks = range(2, 9)
+    shares = [replica_share(blocks, replicas, replica) for replica in range(replicas)]
+    assert sorted(index for share in shares for index in share) == list(blocks)
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1  # layers cost alike: as many each, within one
+    with pytest.raises(ValueError, match=f"replica {replicas} is not one of {replicas}"):
+        replica_share(blocks, replicas, replicas)

@@ -16,7 +16,7 @@ from torch import nn
 from pipetransformer.models.blocks import BlockSequence
 
 __all__ = ["Blocks", "PreviousGradients", "PreviousWeights", "block_grad_sq_norms", "device_constant", "device_index",
-           "drop_from_optimizer", "freeze_blocks", "local_part", "pin_eval"]
+           "drop_from_optimizer", "freeze_blocks", "local_part", "pin_eval", "replica_share"]
 
 DEVICE_CONSTANTS = 64
 """Distinct host-made tensors kept on the device (:func:`device_constant`): a run has a few per layout, and a few
@@ -123,6 +123,16 @@ def device_constant(values: tuple[float, ...], device: torch.device) -> torch.Te
 @functools.lru_cache(maxsize=DEVICE_CONSTANTS)
 def _device_constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def replica_share(blocks: range, replicas: int, replica: int) -> range:
+    """The blocks of ``blocks`` that replica ``replica`` of ``replicas`` measures: every ``replicas``-th, from its own
+    index on. Replicas hold the same gradients once they are summed, and the same weights, so any of them can measure
+    any block: split this way, the freezer's statistics of a step cost each replica a ``replicas``-th of the host time
+    one replica measuring every block would wait for, and the control vector's all-reduce puts the shares together."""
+    if not 0 <= replica < replicas:
+        raise ValueError(f"replica {replica} is not one of {replicas}")
+    return range(blocks.start + replica * blocks.step, blocks.stop, blocks.step * replicas)
 
 
 def _device_of(model: Blocks) -> torch.device:

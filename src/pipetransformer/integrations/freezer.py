@@ -6,7 +6,8 @@ The same code path as the trainer's ``train/autofreeze.py``: per-layer ``|g|^2``
 policy built by ``freeze.policies.policy_from_settings`` from ``config.FreezeConfig`` (its defaults unless the
 caller passes settings). A decision freezes the layers' parameters (``requires_grad`` off, out of the optimizer,
 every other parameter keeping its state), pins them in eval mode, runs them without autograd, and takes them out
-of DDP's all-reduce (``integrations.ddp``). Under FSDP2 (``fully_shard``) each rank holds a shard of every
+of DDP's all-reduce (``integrations.ddp``). Under DDP every rank holds the same gradients and weights, so each
+measures a share of the layers (``freeze.apply.replica_share``) and the sum puts them together. Under FSDP2 (``fully_shard``) each rank holds a shard of every
 gradient, so every rank contributes its shards' statistics to the sum, and a frozen layer leaves the reduce-scatter
 by itself (its parameters get no gradient), and the backward's all-gather but for the top frozen layer (FSDP2
 prefetches the weights of the layer below each backward). With ``cache=CacheConfig(enabled=True)``
@@ -30,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipetransformer.config import CacheConfig, FreezeConfig
 from pipetransformer.freeze.apply import (PreviousGradients, PreviousWeights, block_grad_sq_norms, drop_from_optimizer,
-                                          pin_eval)
+                                          pin_eval, replica_share)
 from pipetransformer.freeze.policies import (UNWINDOWED, CoherencePolicy, DescentPolicy, FreezePrior, GradientPolicy,
                                              frozen_prefix_layers, policy_from_settings, resolve_prior)
 from pipetransformer.integrations.cache import PrefixServer
@@ -236,22 +237,23 @@ class AutoFreezer:
         None as the optimizer skips its step."""
         if not _optimizer_steps_now(self.optimizer):
             return None
-        layers = range(len(self.stack))
         control = ControlVector.zeros(len(self.stack), self._device)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if rank0 or self.sharded:  # after DDP's all-reduce every rank holds the same; FSDP2's ranks, a shard each
-            control.layer_grad_sq.copy_(block_grad_sq_norms(self.stack, layers))
-            # every rank's shards had a previous step at the same steps: one rank says which are valid
-            if self.previous_grads is not None:
-                dots, valid = self.previous_grads.block_dots(self.stack, layers)
-                control.layer_grad_dots.copy_(dots)
-                if rank0:
-                    control.layer_dot_valid.copy_(valid)
-            if self.previous_weights is not None:
-                descents, valid = self.previous_weights.block_descents(self._units, layers)
-                control.layer_descents.copy_(descents)
-                if rank0:
-                    control.layer_descent_valid.copy_(valid)
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        # FSDP2's ranks measure every layer, a shard each, and rank 0 says which are valid (every rank's shards had a
+        # previous step at the same steps). After DDP's all-reduce every rank holds the same: each measures a share.
+        layers = range(len(self.stack)) if self.sharded else replica_share(range(len(self.stack)), world, rank)
+        says_valid = rank == 0 or not self.sharded
+        control.layer_grad_sq.copy_(block_grad_sq_norms(self.stack, layers))
+        if self.previous_grads is not None:
+            dots, valid = self.previous_grads.block_dots(self.stack, layers)
+            control.layer_grad_dots.copy_(dots)
+            if says_valid:
+                control.layer_dot_valid.copy_(valid)
+        if self.previous_weights is not None:
+            descents, valid = self.previous_weights.block_descents(self._units, layers)
+            control.layer_descents.copy_(descents)
+            if says_valid:
+                control.layer_descent_valid.copy_(valid)
         self._unread.append(self.steps, control.all_reduce(device=self._device))
         if self.policy.next_step_ends_a_window() or len(self._unread) >= MAX_UNREAD_STEPS:
             self._observe_unread()

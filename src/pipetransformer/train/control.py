@@ -4,10 +4,11 @@ ledger that holds it there until the host needs it.
 Per-layer gradient statistics (for the freeze policy), the total gradient norm (for clipping), stop requests
 (SIGTERM or SIGINT on any rank) and the loss travel together as one float64 tensor summed over the world, so every rank,
 idle ones included, takes the same freeze, clip and stop decisions. Each field is contributed by exactly one
-kind of rank (gradients by replica 0 of each stage, the loss by the last stages), so the sum assembles them.
-Gradients count from replica 0 only because after the gradient sync every replica holds the same ones:
-summing them too would scale the statistics by the width. Norms travel squared, so stages holding
-different layers simply add up.
+kind of rank, so the sum assembles them: the gradient norms come from replica 0 of each stage, each block's dot
+products and descents from one replica of its stage (:func:`replica_share`: they split the freezer's work), the loss
+from the last stages. After the gradient sync every replica holds the same gradients and weights: measuring a block on
+more than one would scale its statistics by the width. Norms travel squared, so stages holding different layers simply
+add up.
 
 The vector is made, summed and used (the clip) on the training device. Reading it on the host waits for a GPU, so the
 trainer appends each step's vector to a :class:`ControlLedger` and reads the ledger in one copy at the steps whose
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetransformer.freeze.apply import PreviousGradients, PreviousWeights, block_grad_sq_norms, device_constant
+from pipetransformer.freeze.apply import (PreviousGradients, PreviousWeights, block_grad_sq_norms, device_constant,
+                                          replica_share)
 from pipetransformer.models.blocks import BlockSequence
 from pipetransformer.train.elastic import Placement
 
@@ -156,21 +158,24 @@ def gather_control(model: BlockSequence, placement: Placement, loss_sum: torch.T
         blocks = block_grad_sq_norms(model, range(*placement.blocks))
         control.layer_grad_sq.copy_(blocks[1:layers + 1])
         control.total_grad_sq.copy_(blocks.sum())
-        if previous_grads is not None:
-            start, end = placement.blocks  # layer blocks only: the policy reads no embeddings or head dots
-            dots, valid = previous_grads.block_dots(model, range(max(start, 1), min(end, layers + 1)))
+    if placement.replica is not None:  # the freezer's statistics: the stage's replicas measure a share of it each
+        start, end = placement.blocks
+        width, replica = placement.plan.layout.dp_width, placement.replica
+        if previous_grads is not None:  # layer blocks only: the policy reads no embeddings or head dots
+            layer_blocks = replica_share(range(max(start, 1), min(end, layers + 1)), width, replica)
+            dots, valid = previous_grads.block_dots(model, layer_blocks)
             control.layer_grad_dots.copy_(dots[1:layers + 1])
             dot_valid = valid[1:layers + 1]
         if previous_weights is not None:  # the embeddings too: their descent counts in layer 0's
-            start, end = placement.blocks
-            descents, valid = previous_weights.block_descents(model, range(start, min(end, layers + 1)))
+            measured = replica_share(range(start, min(end, layers + 1)), width, replica)
+            descents, valid = previous_weights.block_descents(model, measured)
             control.layer_descents.copy_(descents[1:layers + 1])
             control.layer_descents[:1] += descents[:1]
             descent_valid = valid[1:layers + 1].clone()
-            embeddings_train = start == 0 and any(p.requires_grad for p in model.blocks[0].parameters())
+            embeddings_train = 0 in measured and any(p.requires_grad for p in model.blocks[0].parameters())
             if embeddings_train and valid.tolist()[0] == 0:  # valid lives on the host: no wait
-                # this rank's embeddings train but had no previous step: it vetoes layer 0's descent for this step
-                # (-1 in the sum of valid flags, which may come from the rank holding layer 0)
+                # the embeddings train but had no previous step here: this rank vetoes layer 0's descent for this step
+                # (-1 in the sum of valid flags, which may come from the rank measuring layer 0)
                 descent_valid[0] = -1.0
     if placement.last_stage:
         control.loss.copy_(loss_sum)
