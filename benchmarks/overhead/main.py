@@ -8,6 +8,7 @@ what is measured is what a run pays until its first freeze.
     .venv/bin/python benchmarks/overhead/main.py --text     # MiniLM-L6 instead (slower steps, 90 MB of gradients)
     .venv/bin/python benchmarks/overhead/main.py --quick    # 2 repeats of fewer steps: the machinery
     .venv/bin/python benchmarks/overhead/main.py --profile  # each variant once under torch.profiler: where it goes
+    .venv/bin/python benchmarks/overhead/main.py --variants all --repeats 15  # plain and `all` only, more repeats
 
 Reported per variant: the wall time per step between its first and last settled logged steps (every step counts, read
 or not: at the default ``run.log_every: 10`` the trainer reads the device only at logged steps and decisions), its
@@ -79,19 +80,29 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 repeats of fewer steps")
     parser.add_argument("--profile", action="store_true",
                         help="each variant once under torch.profiler: ops, kernel launches and host syncs per step")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated variants to run against plain (of: {', '.join(VARIANTS)})")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats of each variant (default 5)")
     args = parser.parse_args()
+    chosen = ["plain", *(name for name in args.variants.split(",") if name != "plain")]
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: pass --variants with some of {', '.join(VARIANTS)}")
+    if args.repeats is not None and args.repeats < 2:
+        parser.error(f"--repeats {args.repeats}: pass at least 2, so the ratios have a spread")
     model = "text" if args.text else "vit"
     config_name, batch = MODELS[model]
     if args.profile:
         profile(model, config_name, batch)
         return
     repeats, steps = (2, 40) if args.quick else (5, 130 if model == "vit" else 60)
+    repeats = args.repeats or repeats
     overrides = (f"data.max_train_samples={steps * batch}", "data.max_eval_samples=64", "data.max_test_samples=64",
                  "train.epochs=1", "train.eval_every_steps=null", f"run.log_every={LOG_EVERY}",
                  "checkpoint.enabled=false", *FROM_SCRATCH)
     machine = machine_info()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
-    for repeat, name in interleaved_order(list(VARIANTS), repeats):
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    for repeat, name in interleaved_order(chosen, repeats):
         result = run_training(name, CONFIG_DIR / config_name, repeat, RUNS_DIR / model, [*overrides, *VARIANTS[name]])
         if not result.ok:
             raise SystemExit(f"{name} repeat {repeat} failed: {result.error}")
@@ -110,27 +121,33 @@ def main() -> None:
         rows.append([f"`{name}`", f"{statistics.median(r['wall_step_s'] for r in done) * MS_PER_S:.1f}",
                      ", ".join(f"{r['wall_step_s'] * MS_PER_S:.1f}" for r in done),
                      f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+                     f"{statistics.mean(ratios):.3f} ± {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}",
                      f"{statistics.median(r['step_s'] for r in done) * MS_PER_S:.1f}",
                      f"{statistics.median(logged):.3f}",
                      *(f"{statistics.median(r['phases'][p] for r in done) * MS_PER_S:.1f}" for p in PHASES),
                      sum(r["steps"] for r in done), ", ".join(f"{r['load_mean']:.1f}" for r in done)])
+    subset = chosen != list(VARIANTS)
+    command = "".join([" --text" if args.text else "", " --quick" if args.quick else "",
+                       f" --variants {','.join(chosen[1:])}" if subset else "",
+                       f" --repeats {args.repeats}" if args.repeats else ""])
     body = "\n".join([
-        f"## {model}: each automation alone and together, nothing frozen",
+        f"## {model}: {' and '.join(f'`{name}`' for name in chosen[1:]) + ' against plain' if subset else 'each automation alone and together'}, nothing frozen",
         "",
-        f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if args.text else ''}{' --quick' if args.quick else ''}`"
+        f"`.venv/bin/python benchmarks/overhead/main.py{command}`"
         f", started {machine['started']} (load {machine['load_average_at_start'][0]}), {machine['nproc']} cores, "
         f"torch {machine['torch']}: `{config_name}`, 1 stage x 2 replicas, batch {batch}, {steps} steps a run, "
         f"{repeats} repeats taking turns, every {LOG_EVERY}th step logged. Step time: wall time per step from the "
         f"first settled logged step (after the first {SETTLED_AFTER_STEPS}) to the last, every step counted; the "
-        "ratio is to the plain run of the same repeat (median, min-max). Logged: the median logged step, which reads "
+        "ratio is to the plain run of the same repeat (median, min-max; mean and its standard error). Logged: the median logged step, which reads "
         "the device, and its ratio; the phases are the logged steps' medians.",
         "",
-        markdown_table(["variant", "step ms", "per repeat", "vs plain (min-max)", "logged ms", "logged vs plain",
+        markdown_table(["variant", "step ms", "per repeat", "vs plain (min-max)", "mean ± s.e.", "logged ms", "logged vs plain",
                         *(p.removesuffix("_s") + " ms" for p in PHASES), "steps", "load"], rows),
     ])
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"results-{model}.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
-    replace_section(README, f"overhead-{model}", body, "## Results")
+    key = f"{model}-{'-'.join(chosen[1:]).replace('+', '_')}" if subset else model
+    (RESULTS / f"results-{key}.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
+    replace_section(README, f"overhead-{key}", body, "## Results")
     print(body)
 
 
