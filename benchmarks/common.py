@@ -329,6 +329,7 @@ def machine_info() -> dict[str, Any]:
         "mem_total_gib": round(mem_kb.get("MemTotal", 0) / kib_per_gib, 1),
         "mem_available_gib": round(mem_kb.get("MemAvailable", 0) / kib_per_gib, 1),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],

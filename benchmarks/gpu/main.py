@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gpu/main.py OUT_DIR          # every step, ~7 minutes on one H100
     .venv/bin/python benchmarks/gpu/main.py --dry-run        # on CPU: list the steps, import and validate them
+    .venv/bin/python benchmarks/gpu/main.py OUT_DIR --only overhead_vit  # the optional step, ~4 minutes: a call of its own
 
 Each step runs in a process of its own under its own time budget, so a step that fails, hangs or runs out of
 memory is recorded and the next one runs. OUT_DIR gets ``summary.json`` (every step's status, seconds and
@@ -104,6 +105,12 @@ STEPS = (
            "step time vs simulator")
       for model in BENCH_MODELS for precision in PRECISIONS),
 )
+OPTIONAL_STEPS = (
+    Step("overhead_vit", 300, "benchmarks/overhead in one process on the GPU: each automation alone and together against "
+         "plain (nothing frozen, 2 repeats of 40 steps), then under the profiler (kernel launches, host syncs a step)"),
+)
+"""Run by name only (``--only overhead_vit``, a call of its own): the default steps fill ``TOTAL_BUDGET_S``."""
+OVERHEAD_SCRIPT = REPO_ROOT / "benchmarks" / "overhead" / "main.py"
 LEFT_OUT = ("Multi-process runs (pipelines of 2+ stages, data-parallel replicas over NCCL): NCCL needs one device "
             "per rank and one GPU is lent; the environment step checks gloo over CUDA tensors in one process only.")
 
@@ -281,6 +288,20 @@ def step_bench(out: Path, model: str, precision: str) -> dict[str, Any]:
     return result
 
 
+def step_overhead_vit(out: Path) -> dict[str, Any]:
+    """The overhead benchmark's quick round and its profile, one process on this GPU (``--one-process``: two ranks
+    cannot share one device over NCCL); their sections and results files land in ``out``."""
+    for extra in (["--quick"], ["--profile"]):
+        done = subprocess.run([sys.executable, str(OVERHEAD_SCRIPT), "--one-process", "--out", str(out), *extra],
+                              cwd=REPO_ROOT, capture_output=True, text=True)
+        (out / f"overhead-{extra[0].lstrip('-')}.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"{OVERHEAD_SCRIPT.name} {' '.join(extra)} exited {done.returncode}: "
+                               f"{(done.stdout + done.stderr)[-TAIL_CHARS:]}")
+    results = json.loads((out / "results-vit-one-process.json").read_text())
+    return {"vs_plain": results["vs_plain"], "sections": sorted(path.name for path in out.glob("*.md"))}
+
+
 def step_function(name: str) -> Callable[[Path], dict[str, Any]]:
     if name.startswith("train_"):
         return lambda out: step_train(out, name.removeprefix("train_"))
@@ -288,7 +309,7 @@ def step_function(name: str) -> Callable[[Path], dict[str, Any]]:
         model, precision = name.removeprefix("bench_").rsplit("_", 1)
         return lambda out: step_bench(out, model, precision)
     return {"environment": step_environment, "cuda_tests": step_cuda_tests,
-            "recompute_exact": step_recompute_exact}[name]
+            "recompute_exact": step_recompute_exact, "overhead_vit": step_overhead_vit}[name]
 
 
 # --------------------------------------------------------------------------- the driver
@@ -339,6 +360,11 @@ def markdown(summary: dict[str, Any]) -> str:
                          f"{r.get('nothing_froze')} | {_fmt(r.get('peak_cuda_gib'))} | "
                          f"{_fmt(r.get('planner_memory_gib'))} | {_fmt(r.get('measured_step_ms'))} | "
                          f"{_fmt(r.get('planner_step_ms'))} | {_fmt(r.get('simulator_step_ms'))} |")
+    overhead = next((s["result"] for s in summary["steps"] if s["step"] == "overhead_vit" and s["result"]), None)
+    if overhead:
+        lines += ["", "Overhead (one process, nothing frozen), each variant against plain, median (min-max): "
+                  + ", ".join(f"`{name}` {ratio}" for name, ratio in overhead["vs_plain"].items() if name != "plain")
+                  + "; the tables: " + ", ".join(overhead["sections"])]
     lines += ["", "Left out: " + summary["left_out"], ""]
     for s in summary["steps"]:
         if s["status"] != "ok":
@@ -397,8 +423,8 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated step names (default: every step)")
     parser.add_argument("--step", default=None, help=argparse.SUPPRESS)  # the driver's child process
     args = parser.parse_args()
-    names = {step.name: step for step in STEPS}
-    wanted = [name.strip() for name in args.only.split(",")] if args.only else list(names)
+    names = {step.name: step for step in (*STEPS, *OPTIONAL_STEPS)}
+    wanted = [name.strip() for name in args.only.split(",")] if args.only else [step.name for step in STEPS]
     unknown = [name for name in wanted if name not in names]
     if unknown:
         parser.error(f"--only: unknown step {unknown[0]!r} (steps: {', '.join(names)})")

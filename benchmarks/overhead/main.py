@@ -1,14 +1,18 @@
 """The per-step cost of each automation before it pays: the same model, data and layout (1 stage x 2 replicas,
-nothing frozen), with AutoFreeze (with and without AutoCache, which needs it), AutoPipe (with and without AutoDP, which needs it)
-and all four together, against the plain
-step. AutoFreeze runs its statistics every step but cannot freeze (``freeze.descent_threshold`` out of reach), so
-what is measured is what a run pays until its first freeze.
+nothing frozen), with AutoFreeze (with and without AutoCache, which needs it), AutoPipe (with and without AutoDP,
+which needs it) and all four together, against the plain step. AutoFreeze runs its statistics every step but cannot
+freeze (``freeze.descent_threshold`` out of reach), so what is measured is what a run pays until its first freeze.
 
     .venv/bin/python benchmarks/overhead/main.py            # the ViT, 6 variants x 5 repeats: about 7 min on 2 cores
     .venv/bin/python benchmarks/overhead/main.py --text     # MiniLM-L6 instead (slower steps, 90 MB of gradients)
     .venv/bin/python benchmarks/overhead/main.py --quick    # 2 repeats of fewer steps: the machinery
     .venv/bin/python benchmarks/overhead/main.py --profile  # each variant once under torch.profiler: where it goes
     .venv/bin/python benchmarks/overhead/main.py --variants all --repeats 15  # plain and `all` only, more repeats
+    .venv/bin/python benchmarks/overhead/main.py --one-process --out DIR      # 1 x 1 in one process (one GPU)
+
+``--one-process`` runs the layout in one process: on a machine with one GPU (``dist.device: auto`` picks it), where two
+processes cannot share it over NCCL; ``--out DIR`` writes the section and the results there, not into this folder
+(the GPU check's ``overhead_vit`` step, ``benchmarks/gpu``).
 
 Reported per variant: the wall time per step between its first and last settled logged steps (every step counts, read
 or not: at the default ``run.log_every: 10`` the trainer reads the device only at logged steps and decisions), its
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402 - the shared helper lives one folder up
     CONFIG_DIR,
+    NPROC,
     REPO_ROOT,
     SETTLED_AFTER_STEPS,
     interleaved_order,
@@ -83,6 +88,10 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated variants to run against plain (of: {', '.join(VARIANTS)})")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats of each variant (default 5)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="1 stage x 1 replica in one process (one GPU), not 1 x 2 in two")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the section and results into this directory, not README.md and results/")
     args = parser.parse_args()
     chosen = ["plain", *(name for name in args.variants.split(",") if name != "plain")]
     unknown = [name for name in chosen if name not in VARIANTS]
@@ -92,8 +101,10 @@ def main() -> None:
         parser.error(f"--repeats {args.repeats}: pass at least 2, so the ratios have a spread")
     model = "text" if args.text else "vit"
     config_name, batch = MODELS[model]
+    nproc = 1 if args.one_process else NPROC
+    runs_dir = RUNS_DIR / (f"{model}-one-process" if args.one_process else model)
     if args.profile:
-        profile(model, config_name, batch)
+        profile(model, config_name, batch, nproc, args.out)
         return
     repeats, steps = (2, 40) if args.quick else (5, 130 if model == "vit" else 60)
     repeats = args.repeats or repeats
@@ -103,13 +114,13 @@ def main() -> None:
     machine = machine_info()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     for repeat, name in interleaved_order(chosen, repeats):
-        result = run_training(name, CONFIG_DIR / config_name, repeat, RUNS_DIR / model, [*overrides, *VARIANTS[name]])
+        result = run_training(name, CONFIG_DIR / config_name, repeat, runs_dir, [*overrides, *VARIANTS[name]], nproc)
         if not result.ok:
             raise SystemExit(f"{name} repeat {repeat} failed: {result.error}")
         settled = _settled(Path(result.run_dir))
         layouts = {(r["stages"], r["dp_width"], r["frozen_layers"]) for r in settled}
-        if layouts != {(1, 2, 0)}:
-            raise SystemExit(f"{name} ran layouts {sorted(layouts)}, not 1 stage x 2 replicas with nothing frozen")
+        if layouts != {(1, nproc, 0)}:
+            raise SystemExit(f"{name} ran layouts {sorted(layouts)}, not 1 stage x {_replicas(nproc)}, nothing frozen")
         runs[name].append({"repeat": repeat, "wall_step_s": _wall_per_step(settled),
                            "step_s": statistics.median(r["step_s"] for r in settled),
                            "steps": len(settled), "load_mean": result.load_mean,
@@ -129,26 +140,51 @@ def main() -> None:
     subset = chosen != list(VARIANTS)
     command = "".join([" --text" if args.text else "", " --quick" if args.quick else "",
                        f" --variants {','.join(chosen[1:])}" if subset else "",
-                       f" --repeats {args.repeats}" if args.repeats else ""])
+                       f" --repeats {args.repeats}" if args.repeats else "",
+                       " --one-process" if args.one_process else ""])
+    what = (" and ".join(f"`{name}`" for name in chosen[1:]) + " against plain" if subset
+            else "each automation alone and together")
     body = "\n".join([
-        f"## {model}: {' and '.join(f'`{name}`' for name in chosen[1:]) + ' against plain' if subset else 'each automation alone and together'}, nothing frozen",
+        f"## {model}: {what}, nothing frozen",
         "",
-        f"`.venv/bin/python benchmarks/overhead/main.py{command}`"
-        f", started {machine['started']} (load {machine['load_average_at_start'][0]}), {machine['nproc']} cores, "
-        f"torch {machine['torch']}: `{config_name}`, 1 stage x 2 replicas, batch {batch}, {steps} steps a run, "
+        f"`.venv/bin/python benchmarks/overhead/main.py{command}`, started {machine['started']} (load "
+        f"{machine['load_average_at_start'][0]}), {machine['nproc']} cores, torch {machine['torch']}"
+        f"{_device_note(machine)}: `{config_name}`, 1 stage x {_replicas(nproc)}, batch {batch}, {steps} steps a run, "
         f"{repeats} repeats taking turns, every {LOG_EVERY}th step logged. Step time: wall time per step from the "
         f"first settled logged step (after the first {SETTLED_AFTER_STEPS}) to the last, every step counted; the "
-        "ratio is to the plain run of the same repeat (median, min-max; mean and its standard error). Logged: the median logged step, which reads "
-        "the device, and its ratio; the phases are the logged steps' medians.",
+        "ratio is to the plain run of the same repeat (median, min-max; mean and its standard error). Logged: the "
+        "median logged step, which reads the device, and its ratio; the phases are the logged steps' medians.",
         "",
-        markdown_table(["variant", "step ms", "per repeat", "vs plain (min-max)", "mean ± s.e.", "logged ms", "logged vs plain",
-                        *(p.removesuffix("_s") + " ms" for p in PHASES), "steps", "load"], rows),
+        markdown_table(["variant", "step ms", "per repeat", "vs plain (min-max)", "mean ± s.e.", "logged ms",
+                        "logged vs plain", *(p.removesuffix("_s") + " ms" for p in PHASES), "steps", "load"], rows),
     ])
-    RESULTS.mkdir(exist_ok=True)
-    key = f"{model}-{'-'.join(chosen[1:]).replace('+', '_')}" if subset else model
-    (RESULTS / f"results-{key}.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
-    replace_section(README, f"overhead-{key}", body, "## Results")
+    key = "-".join([model, *(["one-process"] if args.one_process else []),
+                    *([name.replace("+", "_") for name in chosen[1:]] if subset else [])])
+    results = {"machine": machine, "nproc": nproc, "runs": runs,
+               "vs_plain": {row[0].strip("`"): row[3] for row in rows}}
+    _write(args.out, key, results, body)
     print(body)
+
+
+def _write(out: Path | None, key: str, results: dict[str, Any], body: str) -> None:
+    """``results-<key>.json`` and the section: into ``out`` when given (a GPU machine's results travel as files),
+    else into results/ and this folder's README."""
+    folder = out if out is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"results-{key}.json").write_text(json.dumps(results, indent=1))
+    if out is not None:
+        (out / f"overhead-{key}.md").write_text(body + "\n")
+    else:
+        replace_section(README, f"overhead-{key}", body, "## Results")
+
+
+def _replicas(nproc: int) -> str:
+    return "1 replica in one process" if nproc == 1 else f"{nproc} replicas"
+
+
+def _device_note(machine: dict[str, Any]) -> str:
+    gpu = machine.get("gpu")
+    return f", {gpu}" if gpu else ""
 
 
 def _wall_per_step(settled: list[dict[str, Any]]) -> float:
@@ -175,9 +211,9 @@ def _milliseconds(text: str) -> float:
     raise ValueError(f"not a profiler time: {text}")
 
 
-def profile(model: str, config_name: str, batch: int) -> None:
+def profile(model: str, config_name: str, batch: int, nproc: int, out: Path | None) -> None:
     """Each variant once with ``run.profile_steps`` on settled steps: per step, the ops, kernel launches and host
-    syncs (rank 0), and the ops taking most self time, into results/profile-<model>.md."""
+    syncs (rank 0), and the ops taking most self time, into results/profile-<model>.md (or ``out``)."""
     first = PROFILE_FROM
     steps = first + PROFILED_STEPS + SETTLED_AFTER_STEPS
     overrides = (f"data.max_train_samples={steps * batch}", "data.max_eval_samples=64", "data.max_test_samples=64",
@@ -186,23 +222,26 @@ def profile(model: str, config_name: str, batch: int) -> None:
     machine = machine_info()
     rows, tops = [], []
     for name, extra in VARIANTS.items():
-        result = run_training(name, CONFIG_DIR / config_name, 0, RUNS_DIR / f"{model}-profile", [*overrides, *extra])
+        result = run_training(name, CONFIG_DIR / config_name, 0, RUNS_DIR / f"{model}-profile-{nproc}",
+                              [*overrides, *extra], nproc)
         if not result.ok:
             raise SystemExit(f"{name} failed: {result.error}")
-        out = Path(result.run_dir) / "profile"
-        counts = json.loads((out / "rank0.json").read_text())
+        profiled = Path(result.run_dir) / "profile"
+        counts = json.loads((profiled / "rank0.json").read_text())
         rows.append([f"`{name}`", *(f"{counts[key]:.0f}" for key in ("aten_ops_per_step", "kernel_launches_per_step",
                                                                        "synchronizing_calls_per_step",
                                                                        "async_copies_per_step"))])
-        ops = _ops_by_self_time((out / "rank0-ops.txt").read_text())
+        ops = _ops_by_self_time((profiled / "rank0-ops.txt").read_text())
         tops.append(f"- `{name}`: " + ", ".join(f"{op} {ms / PROFILED_STEPS:.1f}" for op, ms in ops))
     body = "\n".join([
         f"## {model}: where a step goes, under torch.profiler",
         "",
-        f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if model == 'text' else ''} --profile`, started "
-        f"{machine['started']} (load {machine['load_average_at_start'][0]}), {machine['nproc']} cores, torch "
-        f"{machine['torch']}: each variant once, steps {first}-{first + PROFILED_STEPS - 1} profiled on rank 0 "
-        "(`run.profile_steps`; the tables and Chrome traces stay in the runs' `profile/` folders).",
+        f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if model == 'text' else ''} --profile"
+        f"{' --one-process' if nproc == 1 else ''}`, started {machine['started']} (load "
+        f"{machine['load_average_at_start'][0]}), {machine['nproc']} cores, torch {machine['torch']}"
+        f"{_device_note(machine)}: 1 stage x {_replicas(nproc)}, each variant once, steps {first}-"
+        f"{first + PROFILED_STEPS - 1} profiled on rank 0 (`run.profile_steps`; the tables and Chrome traces stay in "
+        "the runs' `profile/` folders).",
         "",
         markdown_table(["variant", "aten ops / step", "kernel launches / step", "host-sync calls / step",
                         "async copies / step"], rows),
@@ -211,8 +250,10 @@ def profile(model: str, config_name: str, batch: int) -> None:
         "",
         *tops,
     ])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"profile-{model}.md").write_text(f"# Step overhead under the profiler\n\n{body}\n")
+    name = f"profile-{model}{'-one-process' if nproc == 1 else ''}.md"
+    folder = out if out is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f"# Step overhead under the profiler\n\n{body}\n")
     print(body)
 
 

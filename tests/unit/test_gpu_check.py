@@ -26,3 +26,11 @@ def test_an_unknown_step_is_refused_before_anything_runs() -> None:
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu" / "main.py"), "--dry-run", "--only", "nope"],
                           capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S, cwd=BENCHMARKS.parent)
     assert done.returncode == 2 and "unknown step 'nope'" in done.stderr
+
+
+def test_the_optional_overhead_step_runs_by_name_only() -> None:
+    gpu = load_benchmark("gpu")
+    assert "overhead_vit" not in [step.name for step in gpu.STEPS], "the default steps fill the budget"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu" / "main.py"), "--dry-run", "--only", "overhead_vit"],
+                          capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0 and done.stdout.startswith("overhead_vit"), done.stdout + done.stderr
