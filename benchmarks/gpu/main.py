@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gpu/main.py OUT_DIR          # every step, ~7 minutes on one H100
     .venv/bin/python benchmarks/gpu/main.py --dry-run        # on CPU: list the steps, import and validate them
-    .venv/bin/python benchmarks/gpu/main.py OUT_DIR --only overhead_vit  # the optional step, ~4 minutes: a call of its own
+    .venv/bin/python benchmarks/gpu/main.py OUT_DIR --only overhead_vit,freeze_vit  # optional: a call of its own
 
 Each step runs in a process of its own under its own time budget, so a step that fails, hangs or runs out of
 memory is recorded and the next one runs. OUT_DIR gets ``summary.json`` (every step's status, seconds and
@@ -91,6 +91,17 @@ TRAIN_COMMON = ("run.log_every=1", "run.progress=false", "train.precision=bf16",
                 "cache.enabled=true", "cache.min_frozen=1", "pipe.enabled=true", "checkpoint.enabled=false")
 TRAIN_BUDGET_S = {"tiny_vit": 25, "minilm": 50}
 """Seconds; on an H200 (2026-11-28) they took 12-14 and 31-37 (the latter mostly loading MiniLM and its data)."""
+FREEZE_STEPS_PER_EPOCH = 40
+FREEZE_EPOCHS = 2
+FREEZE_AT_STEP = 10
+FREEZE_LAYERS = 6
+"""The freezing run: half of ViT-B/16's 12 layers frozen by a fixed schedule a quarter into the first of two epochs,
+so the second epoch's frozen prefix comes from the cache. A schedule, not the default freezer: on random weights in
+80 steps the freezer finds every layer still learning (which layers converge is the freeze benchmarks' question, on
+pretrained weights); what this run measures is what freezing pays on a GPU once it freezes."""
+FREEZE_OVERRIDES = ("pipe.device_memory_gb=null", "freeze.policy=schedule", "freeze.interval_unit=steps",
+                    f"freeze.schedule=[[{FREEZE_AT_STEP}, {FREEZE_LAYERS}]]")
+FREEZE_PRECISION = "bf16"
 CLUSTER_PRESET = "h100x8"
 """The planner's GPU preset; the step simulator gets it as one device (an H200 is predicted as an H100)."""
 
@@ -108,8 +119,12 @@ STEPS = (
 OPTIONAL_STEPS = (
     Step("overhead_vit", 300, "benchmarks/overhead in one process on the GPU: each automation alone and together against "
          "plain (nothing frozen, 2 repeats of 40 steps), then under the profiler (kernel launches, host syncs a step)"),
+    Step("freeze_vit", 150, f"freezing's speed-up: vit-b16 ({FREEZE_PRECISION}), plain vs all with {FREEZE_LAYERS} of "
+         f"12 layers frozen at step {FREEZE_AT_STEP} of {FREEZE_EPOCHS * FREEZE_STEPS_PER_EPOCH}, cache on "
+         f"({BENCH_REPEATS} repeats)"),
 )
-"""Run by name only (``--only overhead_vit``, a call of its own): the default steps fill ``TOTAL_BUDGET_S``."""
+"""Run by name only (``--only overhead_vit,freeze_vit``, a call of their own): the default steps fill
+``TOTAL_BUDGET_S``."""
 OVERHEAD_SCRIPT = REPO_ROOT / "benchmarks" / "overhead" / "main.py"
 LEFT_OUT = ("Multi-process runs (pipelines of 2+ stages, data-parallel replicas over NCCL): NCCL needs one device "
             "per rank and one GPU is lent; the environment step checks gloo over CUDA tensors in one process only.")
@@ -129,8 +144,16 @@ def train_overrides(name: str, run_dir: Path) -> tuple[str, ...]:
     return (*TRAIN_COMMON, *TRAIN_RUNS[name][1], f"run.dir={run_dir}", *sorted(ONE_GPU))
 
 
+def freeze_overrides(run_dir: Path) -> tuple[str, ...]:
+    return (*bench_overrides(VIT_B16, FREEZE_PRECISION, run_dir), f"train.epochs={FREEZE_EPOCHS}",
+            f"data.max_train_samples={32 * FREEZE_STEPS_PER_EPOCH}")
+
+
 def configs_of(step: str, work: Path) -> list[Any]:
     """The configs a step trains, built and validated (what --dry-run checks without a GPU)."""
+    if step == "freeze_vit":
+        overrides = freeze_overrides(work)
+        return [_config(PLAIN, overrides), _config(ALL, (*overrides, *FREEZE_OVERRIDES))]
     if step.startswith("train_"):
         name = step.removeprefix("train_")
         return [_config(TRAIN_RUNS[name][0], train_overrides(name, work))]
@@ -302,6 +325,27 @@ def step_overhead_vit(out: Path) -> dict[str, Any]:
     return {"vs_plain": results["vs_plain"], "sections": sorted(path.name for path in out.glob("*.md"))}
 
 
+def step_freeze_vit(out: Path) -> dict[str, Any]:
+    """Plain and ``all`` with a fixed freeze take turns, ``BENCH_REPEATS`` each, after an untimed plain warm-up (see
+    ``step_bench``); ``speedup`` is plain's training wall time over ``all``'s in the same repeat (the trainer's
+    ``wall_time_s``: training and the evaluations, not start-up)."""
+    plain_config, all_config = configs_of("freeze_vit", out)
+    _train(replace(plain_config, run=replace(plain_config.run, dir=str(out / "warm_up"))))
+    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "all": []}
+    for repeat in range(BENCH_REPEATS):
+        for name, config in (("plain", plain_config), ("all", all_config)):
+            run_dir = out / f"{name}-r{repeat}"
+            summary, peak = _train(replace(config, run=replace(config.run, dir=str(run_dir))))
+            runs[name].append({key: summary.get(key) for key in
+                               ("wall_time_s", "samples_per_s", "test_accuracy", "freeze_outcome", "layout_history")}
+                              | {"peak_cuda_gib": peak / GIB, "logged_step_ms": 1e3 * _settled_step_s(run_dir)})
+    ratios = [plain["wall_time_s"] / done["wall_time_s"]
+              for plain, done in zip(runs["plain"], runs["all"], strict=True)]
+    return {"runs": runs, "speedup": statistics.median(ratios), "speedup_min": min(ratios),
+            "speedup_max": max(ratios), "froze": all(r["freeze_outcome"].startswith(f"{FREEZE_LAYERS} of")
+                                                     for r in runs["all"])}
+
+
 def step_function(name: str) -> Callable[[Path], dict[str, Any]]:
     if name.startswith("train_"):
         return lambda out: step_train(out, name.removeprefix("train_"))
@@ -309,7 +353,8 @@ def step_function(name: str) -> Callable[[Path], dict[str, Any]]:
         model, precision = name.removeprefix("bench_").rsplit("_", 1)
         return lambda out: step_bench(out, model, precision)
     return {"environment": step_environment, "cuda_tests": step_cuda_tests,
-            "recompute_exact": step_recompute_exact, "overhead_vit": step_overhead_vit}[name]
+            "recompute_exact": step_recompute_exact, "overhead_vit": step_overhead_vit,
+            "freeze_vit": step_freeze_vit}[name]
 
 
 # --------------------------------------------------------------------------- the driver
@@ -365,6 +410,11 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", "Overhead (one process, nothing frozen), each variant against plain, median (min-max): "
                   + ", ".join(f"`{name}` {ratio}" for name, ratio in overhead["vs_plain"].items() if name != "plain")
                   + "; the tables: " + ", ".join(overhead["sections"])]
+    freezing = next((s["result"] for s in summary["steps"] if s["step"] == "freeze_vit" and s["result"]), None)
+    if freezing:
+        lines += ["", f"Freezing ({FREEZE_LAYERS} of 12 layers at step {FREEZE_AT_STEP}, cache on): `all` "
+                  f"{_fmt(freezing['speedup'])}x plain ({_fmt(freezing['speedup_min'])}-{_fmt(freezing['speedup_max'])}"
+                  f", {BENCH_REPEATS} repeats); froze as scheduled: {freezing['froze']}"]
     lines += ["", "Left out: " + summary["left_out"], ""]
     for s in summary["steps"]:
         if s["status"] != "ok":

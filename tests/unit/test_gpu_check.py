@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
@@ -28,9 +29,27 @@ def test_an_unknown_step_is_refused_before_anything_runs() -> None:
     assert done.returncode == 2 and "unknown step 'nope'" in done.stderr
 
 
-def test_the_optional_overhead_step_runs_by_name_only() -> None:
+def test_the_optional_steps_run_by_name_only_and_fit_one_call() -> None:
+    """``overhead_vit`` and ``freeze_vit`` are out of the default run and fit the budget together, and the freezing
+    run's two configs build."""
     gpu = load_benchmark("gpu")
-    assert "overhead_vit" not in [step.name for step in gpu.STEPS], "the default steps fill the budget"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu" / "main.py"), "--dry-run", "--only", "overhead_vit"],
+    optional = ["overhead_vit", "freeze_vit"]
+    assert not set(optional) & {step.name for step in gpu.STEPS}, "the default steps fill the budget"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu" / "main.py"), "--dry-run", "--only",
+                           ",".join(optional)],
                           capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S, cwd=BENCHMARKS.parent)
-    assert done.returncode == 0 and done.stdout.startswith("overhead_vit"), done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [line.split()[0] for line in done.stdout.splitlines()[:2]] == optional, done.stdout
+    assert "freeze_vit" in done.stdout and "[2 config(s) valid]" in done.stdout, done.stdout
+
+
+def test_the_freezing_run_freezes_half_the_layers_by_schedule_and_plain_never(tmp_path: Path) -> None:
+    gpu = load_benchmark("gpu")
+    plain, frozen = gpu.configs_of("freeze_vit", tmp_path)
+    assert not plain.freeze.enabled and not plain.cache.enabled
+    assert frozen.freeze.policy == "schedule" and frozen.cache.enabled
+    assert frozen.freeze.schedule == [[gpu.FREEZE_AT_STEP, gpu.FREEZE_LAYERS]]
+    assert 2 * gpu.FREEZE_LAYERS == frozen.model.vit["depth"], "half of ViT-B/16's layers"
+    steps = plain.data.max_train_samples // plain.train.batch_size
+    assert steps == gpu.FREEZE_STEPS_PER_EPOCH and gpu.FREEZE_AT_STEP < steps, "the freeze comes in the first epoch"
+    assert plain.dist.device == frozen.dist.device == "cuda"
