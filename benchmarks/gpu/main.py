@@ -283,6 +283,22 @@ def _predictions(config: Any) -> dict[str, Any]:
             "simulator_memory_gib": max(simulated.stage_memory_bytes) / GIB}
 
 
+def _take_turns(out: Path, plain_config: Any, all_config: Any,
+                record: Callable[[dict[str, Any], Path], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """After an untimed warm-up run of the plain config (see ``step_bench``), plain and ``all`` take turns,
+    ``BENCH_REPEATS`` runs each: a GPU's speed drifts between runs as a CPU's does. Each run's entry is ``record``'s
+    (from its summary and run directory), its peak CUDA memory and median settled logged step."""
+    _train(replace(plain_config, run=replace(plain_config.run, dir=str(out / "warm_up"))))
+    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "all": []}
+    for repeat in range(BENCH_REPEATS):
+        for name, config in (("plain", plain_config), ("all", all_config)):
+            run_dir = out / f"{name}-r{repeat}"
+            summary, peak = _train(replace(config, run=replace(config.run, dir=str(run_dir))))
+            runs[name].append({**record(summary, run_dir), "peak_cuda_gib": peak / GIB,
+                               "logged_step_ms": 1e3 * _settled_step_s(run_dir)})
+    return runs
+
+
 def step_bench(out: Path, model: str, precision: str) -> dict[str, Any]:
     """Plain and ``all`` (nothing frozen) take turns, ``BENCH_REPEATS`` each; ``all_vs_plain`` is the wall time per
     step of plain over ``all``'s in the same repeat (>= 0.98 is issue 73's target). The plain config trains once
@@ -291,16 +307,12 @@ def step_bench(out: Path, model: str, precision: str) -> dict[str, Any]:
     (H200, 2026-11-28)."""
     plain_config, all_config = configs_of(f"bench_{model}_{precision}", out)
     result = _predictions(plain_config)
-    _train(replace(plain_config, run=replace(plain_config.run, dir=str(out / "warm_up"))))
-    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "all": []}
-    for repeat in range(BENCH_REPEATS):
-        for name, config in (("plain", plain_config), ("all", all_config)):
-            run_dir = out / f"{name}-r{repeat}"
-            summary, peak = _train(replace(config, run=replace(config.run, dir=str(run_dir))))
-            frozen = {r["frozen_layers"] for r in _settled_steps(run_dir)}
-            runs[name].append({"samples_per_s": summary.get("samples_per_s"), "peak_cuda_gib": peak / GIB,
-                               "wall_step_ms": 1e3 * _wall_per_step_s(run_dir),
-                               "logged_step_ms": 1e3 * _settled_step_s(run_dir), "frozen_layers": sorted(frozen)})
+
+    def record(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+        return {"samples_per_s": summary.get("samples_per_s"), "wall_step_ms": 1e3 * _wall_per_step_s(run_dir),
+                "frozen_layers": sorted({r["frozen_layers"] for r in _settled_steps(run_dir)})}
+
+    runs = _take_turns(out, plain_config, all_config, record)
     ratios = [plain["wall_step_ms"] / done["wall_step_ms"] for plain, done in zip(runs["plain"], runs["all"], strict=True)]
     result.update(runs=runs, all_vs_plain=statistics.median(ratios), all_vs_plain_min=min(ratios),
                   all_vs_plain_max=max(ratios), nothing_froze=all(r["frozen_layers"] == [0] for r in runs["all"]),
@@ -326,19 +338,10 @@ def step_overhead_vit(out: Path) -> dict[str, Any]:
 
 
 def step_freeze_vit(out: Path) -> dict[str, Any]:
-    """Plain and ``all`` with a fixed freeze take turns, ``BENCH_REPEATS`` each, after an untimed plain warm-up (see
-    ``step_bench``); ``speedup`` is plain's training wall time over ``all``'s in the same repeat (the trainer's
-    ``wall_time_s``: training and the evaluations, not start-up)."""
-    plain_config, all_config = configs_of("freeze_vit", out)
-    _train(replace(plain_config, run=replace(plain_config.run, dir=str(out / "warm_up"))))
-    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "all": []}
-    for repeat in range(BENCH_REPEATS):
-        for name, config in (("plain", plain_config), ("all", all_config)):
-            run_dir = out / f"{name}-r{repeat}"
-            summary, peak = _train(replace(config, run=replace(config.run, dir=str(run_dir))))
-            runs[name].append({key: summary.get(key) for key in
-                               ("wall_time_s", "samples_per_s", "test_accuracy", "freeze_outcome", "layout_history")}
-                              | {"peak_cuda_gib": peak / GIB, "logged_step_ms": 1e3 * _settled_step_s(run_dir)})
+    """Plain and ``all`` with a fixed freeze take turns (``_take_turns``); ``speedup`` is plain's training wall time
+    over ``all``'s in the same repeat (the trainer's ``wall_time_s``: training and the evaluations, not start-up)."""
+    kept = ("wall_time_s", "samples_per_s", "test_accuracy", "freeze_outcome", "layout_history")
+    runs = _take_turns(out, *configs_of("freeze_vit", out), lambda summary, _: {key: summary.get(key) for key in kept})
     ratios = [plain["wall_time_s"] / done["wall_time_s"]
               for plain, done in zip(runs["plain"], runs["all"], strict=True)]
     return {"runs": runs, "speedup": statistics.median(ratios), "speedup_min": min(ratios),
