@@ -3,6 +3,7 @@ step uses and builds and validates every config the steps train, on CPU, and its
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,17 @@ def test_the_freezing_run_freezes_half_the_layers_by_schedule_and_plain_never(tm
     steps = plain.data.max_train_samples // plain.train.batch_size
     assert steps == gpu.FREEZE_STEPS_PER_EPOCH and gpu.FREEZE_AT_STEP < steps, "the freeze comes in the first epoch"
     assert plain.dist.device == frozen.dist.device == "cuda"
+
+
+def test_the_documented_selections_name_real_steps_and_fit_the_budget() -> None:
+    """docs/gpu-check.md's ``--only`` commands (the optional pair; issue 73's measurements in one call) name steps
+    that exist and fit one call's budget: a loan is minutes, and a refused plan wastes them."""
+    gpu = load_benchmark("gpu")
+    budgets = {step.name: step.budget_s for step in (*gpu.STEPS, *gpu.OPTIONAL_STEPS)}
+    doc = (BENCHMARKS.parent / "docs" / "gpu-check.md").read_text()
+    selections = re.findall(r"gpu_check\.sh OUT_DIR --only ([\w,.-]+)`", doc)
+    assert len(selections) >= 2, selections
+    for selection in selections:
+        names = selection.split(",")
+        assert set(names) <= set(budgets), set(names) - set(budgets)
+        assert sum(budgets[name] for name in names) <= gpu.TOTAL_BUDGET_S, selection
