@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmark_scripts import BENCHMARKS
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
 TIMEOUT_S = 180
 SMALL_VIT = "{image_size: 28, patch_size: 7, in_channels: 1, dim: 32, depth: 12, heads: 2, mlp_ratio: 2.0}"
@@ -41,3 +41,7 @@ def test_the_freezing_step_trains_plain_and_frozen_and_reports_the_ratio(tmp_pat
     assert len(plain["layout_history"]) == 1, "plain never changes its layout"
     assert frozen["layout_history"][-1]["cached_blocks"] > 0, "the frozen prefix is served from the cache"
     assert result["speedup"] == plain["wall_time_s"] / frozen["wall_time_s"] > 0
+    gpu = load_benchmark("gpu")
+    step = {"step": "freeze_vit", "what": "", "budget_s": 150, "status": "ok", "seconds": 1, "result": result}
+    summary = gpu.markdown({"started": "now", "machine": "here", "steps": [step], "left_out": "nothing"})
+    assert f"`all` {gpu._fmt(result['speedup'])}x plain" in summary and "froze as scheduled: True" in summary, summary
