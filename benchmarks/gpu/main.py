@@ -96,9 +96,10 @@ FREEZE_EPOCHS = 2
 FREEZE_AT_STEP = 10
 FREEZE_LAYERS = 6
 """The freezing run: half of ViT-B/16's 12 layers frozen by a fixed schedule a quarter into the first of two epochs,
-so the second epoch's frozen prefix comes from the cache. A schedule, not the default freezer: on random weights in
-80 steps the freezer finds every layer still learning (which layers converge is the freeze benchmarks' question, on
-pretrained weights); what this run measures is what freezing pays on a GPU once it freezes."""
+so the second epoch's frozen prefix comes from the cache. A schedule, not the default freezer, so that every run
+freezes the same layers at the same step: the freezer judges windows of evidence (about 15% of a run before its first
+freeze on the benchmarks' tasks) from pretrained weights, and which layers converge is the freeze benchmarks'
+question; what this run measures is what freezing pays on a GPU once it freezes."""
 FREEZE_OVERRIDES = ("pipe.device_memory_gb=null", "freeze.policy=schedule", "freeze.interval_unit=steps",
                     f"freeze.schedule=[[{FREEZE_AT_STEP}, {FREEZE_LAYERS}]]")
 FREEZE_PRECISION = "bf16"
