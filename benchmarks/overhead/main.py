@@ -145,7 +145,7 @@ def main() -> None:
     what = (" and ".join(f"`{name}`" for name in chosen[1:]) + " against plain" if subset
             else "each automation alone and together")
     body = "\n".join([
-        f"## {model}: {what}, nothing frozen",
+        f"## {model}{' in one process' if args.one_process else ''}: {what}, nothing frozen",
         "",
         f"`.venv/bin/python benchmarks/overhead/main.py{command}`, started {machine['started']} (load "
         f"{machine['load_average_at_start'][0]}), {machine['nproc']} cores, torch {machine['torch']}"
@@ -234,7 +234,7 @@ def profile(model: str, config_name: str, batch: int, nproc: int, out: Path | No
         ops = _ops_by_self_time((profiled / "rank0-ops.txt").read_text())
         tops.append(f"- `{name}`: " + ", ".join(f"{op} {ms / PROFILED_STEPS:.1f}" for op, ms in ops))
     body = "\n".join([
-        f"## {model}: where a step goes, under torch.profiler",
+        f"## {model}{' in one process' if nproc == 1 else ''}: where a step goes, under torch.profiler",
         "",
         f"`.venv/bin/python benchmarks/overhead/main.py{' --text' if model == 'text' else ''} --profile"
         f"{' --one-process' if nproc == 1 else ''}`, started {machine['started']} (load "

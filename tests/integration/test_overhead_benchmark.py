@@ -24,5 +24,6 @@ def test_one_process_writes_its_round_into_the_out_folder(tmp_path: Path) -> Non
     assert results["nproc"] == 1 and set(results["vs_plain"]) == {"plain", "freeze"}
     assert [len(results["runs"][name]) for name in ("plain", "freeze")] == [2, 2]
     section = (tmp_path / "overhead-vit-one-process-freeze.md").read_text()
+    assert section.startswith("## vit in one process: `freeze` against plain"), section.splitlines()[0]
     assert "1 stage x 1 replica in one process" in section and "--one-process" in section
     assert (SCRIPT.parent / "README.md").read_text() == readme, "an --out round must not touch the README"
