@@ -32,8 +32,9 @@ TAIL_CHARS = 3000
 SETTLED_AFTER_STEPS = 5
 """Steps left out of a measured step time: the first carry CUDA start-up (kernels, allocator growth)."""
 BENCH_STEPS = 30
-BENCH_TRAIN_SAMPLES = 32 * BENCH_STEPS
-"""A bench run: one epoch of this many samples at batch 32, so every run has the same steps."""
+BENCH_BATCH = 32
+BENCH_TRAIN_SAMPLES = BENCH_BATCH * BENCH_STEPS
+"""A bench run: one epoch of this many samples at batch ``BENCH_BATCH``, so every run has the same steps."""
 GIB = 2**30
 
 ONE_GPU = {"dist.device=cuda", "dist.backend=auto"}
@@ -77,9 +78,10 @@ BENCH_LOG_EVERY = 10
 """The default ``run.log_every``: the trainer reads the device at logged steps and decisions only (issue 73)."""
 BENCH_REPEATS = 3
 """Plain and ``all`` runs taking turns: one GPU's step time drifts between runs as a CPU's does."""
-BENCH_COMMON = (f"run.log_every={BENCH_LOG_EVERY}", "run.progress=false", "train.epochs=1", "train.batch_size=32",
-                f"data.max_train_samples={BENCH_TRAIN_SAMPLES}", "data.max_eval_samples=256",
-                "data.max_test_samples=256", "train.eval_every_steps=null", "checkpoint.enabled=false")
+BENCH_COMMON = (f"run.log_every={BENCH_LOG_EVERY}", "run.progress=false", "train.epochs=1",
+                f"train.batch_size={BENCH_BATCH}", f"data.max_train_samples={BENCH_TRAIN_SAMPLES}",
+                "data.max_eval_samples=256", "data.max_test_samples=256", "train.eval_every_steps=null",
+                "checkpoint.enabled=false")
 TRAIN_RUNS = {
     "tiny_vit": ("tiny_vit.yaml", ("train.max_steps=40", "data.max_train_samples=640")),
     "minilm": ("text_minilm.yaml", ("train.max_steps=40", "data.max_train_samples=1280", "data.max_eval_samples=256",
@@ -147,7 +149,7 @@ def train_overrides(name: str, run_dir: Path) -> tuple[str, ...]:
 
 def freeze_overrides(run_dir: Path) -> tuple[str, ...]:
     return (*bench_overrides(VIT_B16, FREEZE_PRECISION, run_dir), f"train.epochs={FREEZE_EPOCHS}",
-            f"data.max_train_samples={32 * FREEZE_STEPS_PER_EPOCH}")
+            f"data.max_train_samples={BENCH_BATCH * FREEZE_STEPS_PER_EPOCH}")
 
 
 def configs_of(step: str, work: Path) -> list[Any]:
@@ -346,8 +348,8 @@ def step_freeze_vit(out: Path) -> dict[str, Any]:
     ratios = [plain["wall_time_s"] / done["wall_time_s"]
               for plain, done in zip(runs["plain"], runs["all"], strict=True)]
     return {"runs": runs, "speedup": statistics.median(ratios), "speedup_min": min(ratios),
-            "speedup_max": max(ratios), "froze": all(r["freeze_outcome"].startswith(f"{FREEZE_LAYERS} of")
-                                                     for r in runs["all"])}
+            "speedup_max": max(ratios),
+            "froze": all(run["layout_history"][-1]["frozen_layers"] == FREEZE_LAYERS for run in runs["all"])}
 
 
 def step_function(name: str) -> Callable[[Path], dict[str, Any]]:

@@ -169,13 +169,18 @@ def main() -> None:
 def _write(out: Path | None, key: str, results: dict[str, Any], body: str) -> None:
     """``results-<key>.json`` and the section: into ``out`` when given (a GPU machine's results travel as files),
     else into results/ and this folder's README."""
-    folder = out if out is not None else RESULTS
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"results-{key}.json").write_text(json.dumps(results, indent=1))
+    (_folder(out) / f"results-{key}.json").write_text(json.dumps(results, indent=1))
     if out is not None:
         (out / f"overhead-{key}.md").write_text(body + "\n")
     else:
         replace_section(README, f"overhead-{key}", body, "## Results")
+
+
+def _folder(out: Path | None) -> Path:
+    """Where results go: ``out`` when given, else results/ beside this script (made if missing)."""
+    folder = out if out is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _replicas(nproc: int) -> str:
@@ -251,9 +256,7 @@ def profile(model: str, config_name: str, batch: int, nproc: int, out: Path | No
         *tops,
     ])
     name = f"profile-{model}{'-one-process' if nproc == 1 else ''}.md"
-    folder = out if out is not None else RESULTS
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(f"# Step overhead under the profiler\n\n{body}\n")
+    (_folder(out) / name).write_text(f"# Step overhead under the profiler\n\n{body}\n")
     print(body)
 
 
